@@ -1,0 +1,481 @@
+//! The connection actor: one per websocket. It parses and validates client
+//! frames, keeps which conversations this socket is attached to (and how),
+//! and turns frames into messages to the supervisor and conversation actors.
+//! On socket loss it detaches every attachment and stops. It never blocks a
+//! conversation: replies and events reach the socket through [`Outbound`].
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::Semaphore;
+use tracing::{debug, info};
+
+use super::conversation::ConversationMsg;
+use super::outbound::Outbound;
+use super::supervisor::{ActivateError, Activated, SupervisorMsg};
+use crate::config::Config;
+use crate::event::StartReason;
+use crate::protocol::{self, ClientFrame, ErrorCode, Mode, ReqId, ServerFrame};
+
+pub type ConnId = u64;
+
+/// What a conversation needs to reach one connection.
+#[derive(Clone)]
+pub struct ConnectionHandle {
+    pub id: ConnId,
+    pub user: Arc<str>,
+    pub outbound: Outbound,
+    pub actor: ActorRef<ConnectionMsg>,
+}
+
+pub enum ConnectionMsg {
+    /// A text frame from the socket.
+    Text(String),
+    /// A binary frame: not part of the protocol.
+    Binary,
+    /// The conversation detached this connection (stop, close, eviction).
+    DetachedBy {
+        conversation_id: Arc<str>,
+        actor: ractor::ActorId,
+    },
+    /// The socket is gone.
+    SocketClosed,
+}
+
+pub struct ConnectionArgs {
+    pub id: ConnId,
+    pub user: Arc<str>,
+    pub outbound: Outbound,
+    pub supervisor: ActorRef<SupervisorMsg>,
+    pub config: Arc<Config>,
+    /// Frames read but not yet handled; the reader takes a permit per frame,
+    /// the actor returns it, so a flooding client is slowed by TCP.
+    pub inflight: Arc<Semaphore>,
+}
+
+pub struct Connection;
+
+struct Attached {
+    actor: ActorRef<ConversationMsg>,
+    mode: Mode,
+}
+
+pub struct State {
+    handle: ConnectionHandle,
+    /// `limits.messages_per_second` with burst `limits.messages_burst`.
+    limiter: DefaultDirectRateLimiter,
+    supervisor: ActorRef<SupervisorMsg>,
+    config: Arc<Config>,
+    inflight: Arc<Semaphore>,
+    attachments: HashMap<Arc<str>, Attached>,
+}
+
+/// How long a connection waits for the supervisor to activate a conversation
+/// (a snapshot read) before answering `internal`.
+const ACTIVATE_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Actor for Connection {
+    type Msg = ConnectionMsg;
+    type State = State;
+    type Arguments = ConnectionArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<ConnectionMsg>,
+        args: ConnectionArgs,
+    ) -> Result<State, ActorProcessingErr> {
+        info!(connection = args.id, user = %args.user, "connection opened");
+        let limits = &args.config.limits;
+        let quota = Quota::per_second(
+            NonZeroU32::new(limits.messages_per_second).unwrap_or(NonZeroU32::MIN),
+        )
+        .allow_burst(NonZeroU32::new(limits.messages_burst).unwrap_or(NonZeroU32::MIN));
+        Ok(State {
+            limiter: RateLimiter::direct(quota),
+            handle: ConnectionHandle {
+                id: args.id,
+                user: args.user,
+                outbound: args.outbound,
+                actor: myself,
+            },
+            supervisor: args.supervisor,
+            config: args.config,
+            inflight: args.inflight,
+            attachments: HashMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<ConnectionMsg>,
+        message: ConnectionMsg,
+        state: &mut State,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            ConnectionMsg::Text(text) => {
+                state.inflight.add_permits(1);
+                match ClientFrame::parse(&text) {
+                    Ok(frame) if state.limiter.check().is_err() => {
+                        state.reply(&ServerFrame::error(
+                            frame.req().cloned(),
+                            ErrorCode::RateLimited,
+                            format!(
+                                "more than {} frames per second (limits.messages_per_second)",
+                                state.config.limits.messages_per_second
+                            ),
+                            frame.conversation_id().map(str::to_owned),
+                        ));
+                    }
+                    Ok(frame) => state.handle_frame(frame).await,
+                    Err(e) => state.reply(&ServerFrame::error(
+                        e.req,
+                        ErrorCode::BadRequest,
+                        e.message,
+                        e.conversation_id,
+                    )),
+                }
+            }
+            ConnectionMsg::Binary => {
+                state.inflight.add_permits(1);
+                state.reply(&ServerFrame::error(
+                    None,
+                    ErrorCode::BadRequest,
+                    "binary frames are not part of the protocol: send JSON text frames",
+                    None,
+                ));
+            }
+            ConnectionMsg::DetachedBy {
+                conversation_id,
+                actor,
+            } => {
+                // Only if still attached to that actor, not to a newer
+                // activation of the same conversation.
+                if state
+                    .attachments
+                    .get(&conversation_id)
+                    .is_some_and(|a| a.actor.get_id() == actor)
+                {
+                    state.attachments.remove(&conversation_id);
+                }
+            }
+            ConnectionMsg::SocketClosed => {
+                for (_, attached) in state.attachments.drain() {
+                    let _ = attached.actor.cast(ConversationMsg::Detach {
+                        conn: state.handle.id,
+                        req: None,
+                    });
+                }
+                myself.stop(Some("socket closed".into()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<ConnectionMsg>,
+        state: &mut State,
+    ) -> Result<(), ActorProcessingErr> {
+        for (_, attached) in state.attachments.drain() {
+            let _ = attached.actor.cast(ConversationMsg::Detach {
+                conn: state.handle.id,
+                req: None,
+            });
+        }
+        info!(connection = state.handle.id, user = %state.handle.user, "connection closed");
+        Ok(())
+    }
+}
+
+impl State {
+    fn reply(&self, frame: &ServerFrame) {
+        self.handle.outbound.reply(frame);
+    }
+
+    fn error(&self, req: Option<ReqId>, code: ErrorCode, message: impl Into<String>, id: &str) {
+        self.reply(&ServerFrame::error(req, code, message, Some(id.to_owned())));
+    }
+
+    async fn handle_frame(&mut self, frame: ClientFrame) {
+        if let Err(e) = protocol::check_limits(&frame) {
+            self.reply(&ServerFrame::error(
+                frame.req().cloned(),
+                ErrorCode::BadRequest,
+                e,
+                None,
+            ));
+            return;
+        }
+        match frame {
+            ClientFrame::Ping { req } => self.reply(&ServerFrame::Pong { req }),
+            ClientFrame::Create {
+                req,
+                title,
+                close_delay,
+            } => self.create(req, title, close_delay).await,
+            ClientFrame::Attach {
+                req,
+                conversation_id,
+                last_seq,
+                mode,
+            } => {
+                self.attach(
+                    req,
+                    conversation_id,
+                    last_seq.unwrap_or(0),
+                    mode.unwrap_or_default(),
+                )
+                .await
+            }
+            ClientFrame::Detach {
+                req,
+                conversation_id,
+            } => match self.attachments.remove(conversation_id.as_str()) {
+                Some(attached) => {
+                    let _ = attached.actor.cast(ConversationMsg::Detach {
+                        conn: self.handle.id,
+                        req: Some(req),
+                    });
+                }
+                None => self.error(
+                    req,
+                    ErrorCode::NotAttached,
+                    format!("not attached to {conversation_id}"),
+                    &conversation_id,
+                ),
+            },
+            ClientFrame::Message {
+                req,
+                conversation_id,
+                text,
+                client_msg_id,
+            } => {
+                let conn = self.handle.id;
+                self.steer(req.clone(), &conversation_id, |req| {
+                    ConversationMsg::UserMessage {
+                        conn,
+                        text,
+                        client_msg_id,
+                        req,
+                    }
+                });
+            }
+            ClientFrame::ToolResult {
+                req,
+                conversation_id,
+                call_id,
+                output,
+                is_error,
+            } => {
+                let conn = self.handle.id;
+                self.steer(req, &conversation_id, |req| ConversationMsg::ToolResult {
+                    conn,
+                    call_id,
+                    output,
+                    is_error: is_error.unwrap_or(false),
+                    req,
+                });
+            }
+            ClientFrame::Stop {
+                req,
+                conversation_id,
+            } => {
+                let conn = self.handle.id;
+                self.steer(req, &conversation_id, |req| ConversationMsg::StopTurn {
+                    conn,
+                    req,
+                });
+            }
+            ClientFrame::Close {
+                req,
+                conversation_id,
+            } => {
+                if self.check_control(&req, &conversation_id) {
+                    let _ = self.supervisor.cast(SupervisorMsg::Stop {
+                        id: conversation_id.clone(),
+                        reason: crate::protocol::StopReason::Closed,
+                        reply: None,
+                    });
+                    self.reply(&ServerFrame::Ack {
+                        req,
+                        conversation_id,
+                        seq: None,
+                        duplicate: None,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Answers `not_attached` or `read_only` unless this connection controls
+    /// the conversation.
+    fn check_control(&self, req: &Option<ReqId>, id: &str) -> bool {
+        match self.attachments.get(id) {
+            Some(a) if a.mode == Mode::Control => true,
+            Some(_) => {
+                self.error(
+                    req.clone(),
+                    ErrorCode::ReadOnly,
+                    "attached in observe mode: read only",
+                    id,
+                );
+                false
+            }
+            None => {
+                self.error(
+                    req.clone(),
+                    ErrorCode::NotAttached,
+                    format!("attach to {id} before sending"),
+                    id,
+                );
+                false
+            }
+        }
+    }
+
+    /// Forwards a control frame to the conversation, which replies itself.
+    fn steer(
+        &mut self,
+        req: Option<ReqId>,
+        id: &str,
+        message: impl FnOnce(Option<ReqId>) -> ConversationMsg,
+    ) {
+        if !self.check_control(&req, id) {
+            return;
+        }
+        let Some(attached) = self.attachments.get(id) else {
+            return;
+        };
+        if attached.actor.cast(message(req.clone())).is_err() {
+            self.attachments.remove(id);
+            self.error(
+                req,
+                ErrorCode::NotAttached,
+                format!("{id} has stopped; attach again"),
+                id,
+            );
+        }
+    }
+
+    async fn create(
+        &mut self,
+        req: Option<ReqId>,
+        title: Option<String>,
+        close_delay: Option<String>,
+    ) {
+        let close_delay = match close_delay.as_deref().map(humantime::parse_duration) {
+            None => None,
+            Some(Ok(d)) => Some(d),
+            Some(Err(e)) => {
+                self.reply(&ServerFrame::error(
+                    req,
+                    ErrorCode::BadRequest,
+                    format!("close_delay: {e} (use a duration such as \"90s\" or \"15m\")"),
+                    None,
+                ));
+                return;
+            }
+        };
+        let user = self.handle.user.clone();
+        let result = self
+            .supervisor
+            .call(
+                |reply| SupervisorMsg::Create {
+                    user,
+                    title: title.unwrap_or_default(),
+                    close_delay,
+                    reason: StartReason::Created,
+                    reply,
+                },
+                Some(ACTIVATE_TIMEOUT),
+            )
+            .await;
+        match flatten(result) {
+            Ok(activated) => {
+                self.reply(&ServerFrame::Created {
+                    req,
+                    conversation_id: activated.id.to_string(),
+                });
+                self.start_attachment(activated, Mode::Control, 0, None, false);
+            }
+            Err(e) => self.reply(&ServerFrame::error(req, e.code(), e.to_string(), None)),
+        }
+    }
+
+    async fn attach(&mut self, req: Option<ReqId>, id: String, last_seq: u64, mode: Mode) {
+        let user = self.handle.user.clone();
+        let result = self
+            .supervisor
+            .call(
+                |reply| SupervisorMsg::Activate {
+                    id: id.clone(),
+                    user,
+                    mode,
+                    reply,
+                },
+                Some(ACTIVATE_TIMEOUT),
+            )
+            .await;
+        match flatten(result) {
+            Ok(activated) => self.start_attachment(activated, mode, last_seq, req, true),
+            Err(e) => {
+                debug!(connection = self.handle.id, conversation = %id, error = %e, "attach refused");
+                let message = match &e {
+                    ActivateError::NotFound => format!("no conversation {id}"),
+                    other => other.to_string(),
+                };
+                self.error(req, e.code(), message, &id);
+            }
+        }
+    }
+
+    fn start_attachment(
+        &mut self,
+        activated: Activated,
+        mode: Mode,
+        last_seq: u64,
+        req: Option<ReqId>,
+        announce: bool,
+    ) {
+        let message = ConversationMsg::Attach {
+            conn: self.handle.clone(),
+            mode,
+            last_seq,
+            req: req.clone(),
+            announce,
+        };
+        if activated.actor.cast(message).is_err() {
+            self.error(
+                req,
+                ErrorCode::NotFound,
+                "the conversation stopped while attaching; attach again",
+                &activated.id,
+            );
+            return;
+        }
+        self.attachments.insert(
+            activated.id,
+            Attached {
+                actor: activated.actor,
+                mode,
+            },
+        );
+    }
+}
+
+fn flatten<T>(
+    result: Result<CallResult<Result<T, ActivateError>>, ractor::MessagingErr<SupervisorMsg>>,
+) -> Result<T, ActivateError> {
+    match result {
+        Ok(CallResult::Success(inner)) => inner,
+        Ok(CallResult::Timeout) => Err(ActivateError::Internal(
+            "the supervisor did not answer in time".into(),
+        )),
+        Ok(CallResult::SenderError) | Err(_) => Err(ActivateError::ShuttingDown),
+    }
+}

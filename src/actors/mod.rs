@@ -1,0 +1,10 @@
+//! The actor tree: one [`supervisor::Supervisor`], one
+//! [`conversation::Conversation`] per active conversation (linked children of
+//! the supervisor), and one [`connection::Connection`] per websocket.
+
+pub mod connection;
+pub mod conversation;
+pub mod gauge;
+pub mod outbound;
+pub mod replay;
+pub mod supervisor;

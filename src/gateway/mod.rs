@@ -1,0 +1,47 @@
+//! The HTTP side: `/v1/ws`, the REST endpoints, `/healthz` and `/metrics`,
+//! all sharing one [`AppState`].
+
+pub mod auth;
+pub mod connections;
+pub mod rest;
+pub mod ws;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use axum::routing::{get, post};
+use axum::Router;
+use ractor::ActorRef;
+use tokio_util::sync::CancellationToken;
+
+use crate::actors::supervisor::SupervisorMsg;
+use crate::config::Config;
+use crate::store::Store;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub store: Arc<dyn Store>,
+    pub supervisor: ActorRef<SupervisorMsg>,
+    /// Cancelled when the server shuts down: closes every socket with 1001.
+    pub shutdown: CancellationToken,
+    pub next_connection: Arc<AtomicU64>,
+    pub connections: connections::ConnectionCounter,
+    pub auth: Arc<auth::Authenticator>,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/ws", get(ws::upgrade))
+        .route("/v1/conversations", get(rest::list).post(rest::create))
+        .route(
+            "/v1/conversations/{id}",
+            get(rest::get).delete(rest::delete),
+        )
+        .route("/v1/conversations/{id}/events", get(rest::events))
+        .route("/v1/conversations/{id}/observers", post(rest::add_observer))
+        .route("/v1/admin/conversations", get(rest::admin_list))
+        .route("/healthz", get(rest::healthz))
+        .route("/metrics", get(rest::metrics))
+        .with_state(state)
+}

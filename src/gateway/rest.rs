@@ -1,0 +1,320 @@
+//! The REST endpoints of protocol §2: list, get, events, create, delete,
+//! observers. Reads come from the store and never activate a conversation.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ractor::rpc::CallResult;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::auth::Caller;
+use super::AppState;
+use crate::actors::supervisor::{ActivateError, SupervisorMsg};
+use crate::event::StartReason;
+use crate::protocol::{StopReason, MAX_TITLE_CHARS};
+use crate::store::{ConversationMeta, StoreError};
+
+/// Most events one `/events` call returns.
+const MAX_EVENTS_PAGE: usize = 10_000;
+const DEFAULT_EVENTS_PAGE: usize = 1_000;
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A REST failure: an HTTP status and a protocol error code.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("no such conversation")]
+    NotFound,
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    LimitReached(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound(_) => ApiError::NotFound,
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<ActivateError> for ApiError {
+    fn from(e: ActivateError) -> Self {
+        match e {
+            ActivateError::NotFound | ActivateError::ObserveOnly => ApiError::NotFound,
+            e @ ActivateError::LimitReached { .. } => ApiError::LimitReached(e.to_string()),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+pub fn error_response(status: StatusCode, code: &str, message: &str) -> Response {
+    (
+        status,
+        Json(json!({"error": {"code": code, "message": message}})),
+    )
+        .into_response()
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = match &self {
+            ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ApiError::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
+            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        error_response(status, code, &self.to_string())
+    }
+}
+
+/// A conversation as REST shows it.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub id: String,
+    pub title: String,
+    pub status: &'static str,
+    pub head_seq: u64,
+    pub created_at: String,
+    pub last_activity_at: String,
+}
+
+impl From<&ConversationMeta> for Summary {
+    fn from(meta: &ConversationMeta) -> Self {
+        Summary {
+            id: meta.id.clone(),
+            title: meta.title.clone(),
+            status: meta.status.as_str(),
+            head_seq: meta.head_seq,
+            created_at: meta.created_at.clone(),
+            last_activity_at: meta.last_activity_at.clone(),
+        }
+    }
+}
+
+/// Reads a conversation the caller may see (owner or observer).
+async fn visible(app: &AppState, caller: &Caller, id: &str) -> Result<ConversationMeta, ApiError> {
+    let meta = app.store.get(id).await?.ok_or(ApiError::NotFound)?;
+    if meta.user == caller.user || meta.observers.contains(&caller.user) {
+        Ok(meta)
+    } else {
+        Err(ApiError::NotFound)
+    }
+}
+
+/// Reads a conversation the caller owns.
+async fn owned(app: &AppState, caller: &Caller, id: &str) -> Result<ConversationMeta, ApiError> {
+    let meta = app.store.get(id).await?.ok_or(ApiError::NotFound)?;
+    if meta.user == caller.user {
+        Ok(meta)
+    } else {
+        Err(ApiError::NotFound)
+    }
+}
+
+pub async fn list(
+    State(app): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<Summary>>, ApiError> {
+    let metas = app.store.list(Some(&caller.user)).await?;
+    Ok(Json(metas.iter().map(Summary::from).collect()))
+}
+
+/// Every user's conversations; admins only (others get 404, as if the route
+/// did not exist for them).
+pub async fn admin_list(
+    State(app): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<AdminSummary>>, ApiError> {
+    if !caller.admin {
+        return Err(ApiError::NotFound);
+    }
+    let metas = app.store.list(None).await?;
+    Ok(Json(
+        metas
+            .iter()
+            .map(|m| AdminSummary {
+                user: m.user.clone(),
+                summary: Summary::from(m),
+            })
+            .collect(),
+    ))
+}
+
+#[derive(Debug, Serialize)]
+pub struct AdminSummary {
+    user: String,
+    #[serde(flatten)]
+    summary: Summary,
+}
+
+pub async fn get(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Summary>, ApiError> {
+    let meta = visible(&app, &caller, &id).await?;
+    Ok(Json(Summary::from(&meta)))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct EventsQuery {
+    #[serde(default)]
+    after: u64,
+    limit: Option<usize>,
+}
+
+pub async fn events(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<EventsQuery>,
+) -> Result<Response, ApiError> {
+    let meta = visible(&app, &caller, &id).await?;
+    let limit = query
+        .limit
+        .unwrap_or(DEFAULT_EVENTS_PAGE)
+        .clamp(1, MAX_EVENTS_PAGE);
+    let events = app.store.events(&id, query.after, limit).await?;
+    // The stored frames are already JSON: splice them instead of re-encoding.
+    let mut body =
+        String::with_capacity(events.iter().map(|e| e.frame.len() + 1).sum::<usize>() + 64);
+    body.push_str("{\"events\":[");
+    for (i, event) in events.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(event.frame.as_str());
+    }
+    body.push_str(&format!("],\"head_seq\":{}}}", meta.head_seq));
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from(body),
+    )
+        .into_response())
+}
+
+#[derive(Debug, Deserialize, Default)]
+pub struct CreateBody {
+    title: Option<String>,
+    close_delay: Option<String>,
+}
+
+pub async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    body: Option<Json<CreateBody>>,
+) -> Result<Response, ApiError> {
+    let body = body.map(|Json(b)| b).unwrap_or_default();
+    let title = body.title.unwrap_or_default();
+    if title.chars().count() > MAX_TITLE_CHARS {
+        return Err(ApiError::BadRequest(format!(
+            "title is longer than {MAX_TITLE_CHARS} characters"
+        )));
+    }
+    let close_delay = match body.close_delay.as_deref().map(humantime::parse_duration) {
+        None => None,
+        Some(Ok(d)) => Some(d),
+        Some(Err(e)) => return Err(ApiError::BadRequest(format!("close_delay: {e}"))),
+    };
+    let user = std::sync::Arc::from(caller.user.as_str());
+    let activated = match app
+        .supervisor
+        .call(
+            |reply| SupervisorMsg::Create {
+                user,
+                title,
+                close_delay,
+                reason: StartReason::Rest,
+                reply,
+            },
+            Some(CALL_TIMEOUT),
+        )
+        .await
+    {
+        Ok(CallResult::Success(result)) => result?,
+        _ => return Err(ApiError::Internal("the supervisor did not answer".into())),
+    };
+    app.store.flush().await?;
+    let meta = app
+        .store
+        .get(&activated.id)
+        .await?
+        .ok_or(ApiError::NotFound)?;
+    Ok((StatusCode::CREATED, Json(Summary::from(&meta))).into_response())
+}
+
+pub async fn delete(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    owned(&app, &caller, &id).await?;
+    let stopped = app
+        .supervisor
+        .call(
+            |reply| SupervisorMsg::Stop {
+                id: id.clone(),
+                reason: StopReason::Deleted,
+                reply: Some(reply),
+            },
+            Some(CALL_TIMEOUT),
+        )
+        .await;
+    if !matches!(stopped, Ok(CallResult::Success(()))) {
+        return Err(ApiError::Internal(
+            "the conversation did not stop in time".into(),
+        ));
+    }
+    app.store.delete(&id).await?;
+    let workspace = app.config.store.path.join("workspaces").join(&id);
+    match tokio::fs::remove_dir_all(&workspace).await {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(ApiError::Internal(format!("removing the workspace: {e}"))),
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ObserverBody {
+    user: String,
+}
+
+pub async fn add_observer(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(body): Json<ObserverBody>,
+) -> Result<StatusCode, ApiError> {
+    owned(&app, &caller, &id).await?;
+    if body.user.is_empty() || body.user.len() > 64 {
+        return Err(ApiError::BadRequest("user must be 1 to 64 bytes".into()));
+    }
+    app.store.add_observer(&id, &body.user).await?;
+    let _ = app.supervisor.cast(SupervisorMsg::ObserverAdded {
+        id,
+        user: body.user,
+    });
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+pub async fn metrics() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::metrics::render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,199 @@
+//! `/v1/ws`: authenticates, upgrades, and wires one socket to its connection
+//! actor: a reader loop that hands frames to the actor, and a writer task
+//! that owns the socket's write half and drains the outbound queue.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::Response;
+use futures_util::stream::SplitSink;
+use futures_util::{SinkExt, StreamExt};
+use ractor::Actor;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::auth::Caller;
+use super::connections::Slot;
+use super::rest;
+use super::AppState;
+use crate::actors::connection::{Connection, ConnectionArgs, ConnectionMsg};
+use crate::actors::outbound::{self, close_code, CloseRequest, OutboundReceiver};
+use crate::metrics as m;
+use crate::protocol::{ErrorCode, ServerFrame};
+
+/// Frames read from one socket and not yet handled by its actor.
+const INFLIGHT_FRAMES: usize = 64;
+/// How long a close frame may take to go out.
+const CLOSE_PATIENCE: Duration = Duration::from_secs(2);
+
+pub async fn upgrade(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Response {
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let allowed = &app.config.server.allowed_origins;
+        let origin = origin.to_str().unwrap_or("");
+        if !allowed.is_empty() && !allowed.iter().any(|a| a == origin) {
+            warn!(user = %caller.user, origin, "websocket refused: Origin not in server.allowed_origins");
+            return rest::error_response(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "this Origin may not open a websocket (server.allowed_origins)",
+            );
+        }
+    }
+    let max = app.config.limits.max_frame_bytes;
+    let slot = app
+        .connections
+        .acquire(&caller.user, app.config.limits.max_connections_per_user);
+    ws.max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| async move {
+            match slot {
+                Some(slot) => serve(socket, app, caller, slot).await,
+                None => refuse_too_many(socket, &app).await,
+            }
+        })
+}
+
+/// The user has `max_connections_per_user` sockets open: say so, then close.
+async fn refuse_too_many(mut socket: WebSocket, app: &AppState) {
+    let max = app.config.limits.max_connections_per_user;
+    let frame = ServerFrame::error(
+        None,
+        ErrorCode::TooManyConnections,
+        format!(
+            "{max} connections are already open for this user (limits.max_connections_per_user)"
+        ),
+        None,
+    );
+    let _ = socket.send(Message::Text(frame.to_json().into())).await;
+    let close = CloseFrame {
+        code: close_code::POLICY,
+        reason: "too many connections".into(),
+    };
+    let _ = tokio::time::timeout(CLOSE_PATIENCE, socket.send(Message::Close(Some(close)))).await;
+}
+
+/// Serves one socket; `_slot` holds the user's connection slot until it ends.
+async fn serve(socket: WebSocket, app: AppState, caller: Caller, _slot: Slot) {
+    let id = app.next_connection.fetch_add(1, Ordering::Relaxed);
+    let (sink, mut stream) = socket.split();
+    let (outbound, receiver) = outbound::channel(app.config.limits.max_outbound_frames);
+    let inflight = Arc::new(Semaphore::new(INFLIGHT_FRAMES));
+    let args = ConnectionArgs {
+        id,
+        user: Arc::from(caller.user.as_str()),
+        outbound: outbound.clone(),
+        supervisor: app.supervisor.clone(),
+        config: app.config.clone(),
+        inflight: inflight.clone(),
+    };
+    let (actor, actor_done) = match Actor::spawn(None, Connection, args).await {
+        Ok(spawned) => spawned,
+        Err(e) => {
+            warn!(error = %e, "connection actor failed to start");
+            return;
+        }
+    };
+    m::websocket_connections(1.0);
+    let writer = tokio::spawn(write_loop(sink, receiver, app.shutdown.clone()));
+    loop {
+        let next = tokio::select! {
+            next = stream.next() => next,
+            _ = outbound.closed() => break,
+        };
+        let message = match next {
+            Some(Ok(message)) => message,
+            Some(Err(e)) => {
+                if is_too_big(&e) {
+                    outbound.close(close_code::TOO_BIG, "frame too big", false);
+                }
+                debug!(connection = id, error = %e, "socket read failed");
+                break;
+            }
+            None => break,
+        };
+        let msg = match message {
+            Message::Text(text) => ConnectionMsg::Text(text.to_string()),
+            Message::Binary(_) => ConnectionMsg::Binary,
+            Message::Close(_) => break,
+            Message::Ping(_) | Message::Pong(_) => continue,
+        };
+        match inflight.acquire().await {
+            Ok(permit) => permit.forget(),
+            Err(_) => break,
+        }
+        if actor.cast(msg).is_err() {
+            break;
+        }
+    }
+    let _ = actor.cast(ConnectionMsg::SocketClosed);
+    let _ = actor_done.await;
+    // The socket is gone or closing: nothing queued can be delivered now.
+    outbound.close(close_code::GOING_AWAY, "connection closed", false);
+    let _ = writer.await;
+    m::websocket_connections(-1.0);
+}
+
+/// A frame over `limits.max_frame_bytes` (the websocket library reports it
+/// as a capacity error).
+fn is_too_big(error: &axum::Error) -> bool {
+    let text = error.to_string();
+    text.contains("Space limit exceeded") || text.contains("too long") || text.contains("too big")
+}
+
+async fn write_loop(
+    mut sink: SplitSink<WebSocket, Message>,
+    mut out: OutboundReceiver,
+    shutdown: CancellationToken,
+) {
+    let request = loop {
+        tokio::select! {
+            biased;
+            _ = out.close.cancelled() => break out.close_request(),
+            _ = shutdown.cancelled() => break Some(CloseRequest {
+                code: close_code::GOING_AWAY,
+                reason: "server shutting down",
+                drain: true,
+            }),
+            frame = out.rx.recv() => {
+                let Some(frame) = frame else { break None };
+                let sent = tokio::select! {
+                    sent = sink.send(Message::Text(frame)) => sent.is_ok(),
+                    _ = out.close.cancelled() => false,
+                    _ = shutdown.cancelled() => false,
+                };
+                if !sent && !out.close.is_cancelled() && !shutdown.is_cancelled() {
+                    return;
+                }
+            }
+        }
+    };
+    let Some(request) = request else {
+        return;
+    };
+    let finish = async {
+        if request.drain {
+            while let Ok(frame) = out.rx.try_recv() {
+                if sink.send(Message::Text(frame)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let close = CloseFrame {
+            code: request.code,
+            reason: request.reason.into(),
+        };
+        let _ = sink.send(Message::Close(Some(close))).await;
+        let _ = sink.close().await;
+    };
+    let _ = tokio::time::timeout(CLOSE_PATIENCE, finish).await;
+}

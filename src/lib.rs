@@ -1,0 +1,24 @@
+//! linger: keeps AI-agent conversations alive when their websocket goes away.
+//!
+//! # Layout
+//! - [`protocol`]: wire types of protocol v1; [`event`]: sequenced events,
+//!   serialized once.
+//! - [`actors`]: the supervisor, one conversation actor per active
+//!   conversation, one connection actor per websocket.
+//! - [`agent`]: turn runners (the demo agent; the command agent).
+//! - [`store`]: the history store trait and its embedded SQLite default;
+//!   [`recovery`]: start-up recovery after a crash.
+//! - [`gateway`]: axum routes: `/v1/ws`, REST, `/healthz`, `/metrics`.
+//! - [`config`]: the TOML file and its env overrides; [`server`]: start and
+//!   graceful shutdown; [`metrics`]: Prometheus names.
+
+pub mod actors;
+pub mod agent;
+pub mod config;
+pub mod event;
+pub mod gateway;
+pub mod metrics;
+pub mod protocol;
+pub mod recovery;
+pub mod server;
+pub mod store;

@@ -1,0 +1,92 @@
+//! The `linger` binary: `linger serve [--config PATH]`.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use linger::config::{Config, LogFormat};
+use linger::server::Server;
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    name = "linger",
+    version,
+    about = "Keeps AI-agent conversations alive when their websocket goes away"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the websocket gateway (the default).
+    Serve {
+        /// The TOML config file (default: config/linger.toml when present).
+        #[arg(long, env = "LINGER_CONFIG")]
+        config: Option<PathBuf>,
+    },
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_env("LINGER_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Pretty => builder.init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init(),
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let config_path = match cli.command {
+        Some(Command::Serve { config }) => config,
+        None => std::env::var_os("LINGER_CONFIG").map(PathBuf::from),
+    };
+    let config = match Config::load(config_path.as_deref()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("linger: bad configuration:\n{e}");
+            std::process::exit(2);
+        }
+    };
+    init_logging(config.log.format);
+    let server = Server::start(config).await.context("starting linger")?;
+    shutdown_signal().await;
+    server.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! Prometheus metrics: the names linger exports and the one recorder that
+//! renders them at `/metrics`.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+use crate::event::TurnStatus;
+use crate::protocol::{Status, StopReason};
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the process-wide recorder once and returns its handle. Several
+/// servers in one process (tests) share it.
+pub fn handle() -> Option<PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets(&[
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 300.0, 1800.0,
+                ])
+                .ok()
+                .and_then(|b| b.install_recorder().ok())
+        })
+        .clone()
+}
+
+/// Renders the text exposition format.
+pub fn render() -> String {
+    handle().map(|h| h.render()).unwrap_or_default()
+}
+
+pub fn event_appended(kind: &str) {
+    counter!("linger_events_appended_total", "kind" => kind.to_owned()).increment(1);
+}
+
+pub fn replay(source: &'static str) {
+    counter!("linger_replays_total", "source" => source).increment(1);
+}
+
+pub fn turn_started() {
+    counter!("linger_turns_started_total").increment(1);
+}
+
+pub fn turn_finished(status: TurnStatus) {
+    counter!("linger_turns_finished_total", "status" => status.as_str()).increment(1);
+}
+
+pub fn turn_duration(duration: Duration) {
+    histogram!("linger_turn_duration_seconds").record(duration.as_secs_f64());
+}
+
+pub fn conversation_stopped(reason: StopReason) {
+    counter!("linger_conversations_stopped_total", "reason" => reason.as_str()).increment(1);
+}
+
+pub fn store_commit(duration: Duration, events: usize) {
+    histogram!("linger_store_commit_seconds").record(duration.as_secs_f64());
+    counter!("linger_store_commits_total").increment(1);
+    let _ = events;
+}
+
+pub fn active_conversations(status: Status, count: usize) {
+    gauge!("linger_active_conversations", "status" => status.as_str()).set(count as f64);
+}
+
+pub fn attached_connections(count: usize) {
+    gauge!("linger_attached_connections").set(count as f64);
+}
+
+pub fn websocket_connections(delta: f64) {
+    gauge!("linger_websocket_connections").increment(delta);
+}

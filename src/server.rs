@@ -1,0 +1,192 @@
+//! Starting and stopping a server: open the store, recover, spawn the
+//! supervisor, serve HTTP, and the graceful shutdown of protocol §6.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorRef};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::agent::demo::DemoAgent;
+use crate::agent::Agent;
+use crate::config::{AgentKind, Config};
+use crate::gateway::auth::Authenticator;
+use crate::gateway::{self, AppState};
+use crate::store::sqlite::SqliteStore;
+use crate::store::Store;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("store at {path}: {source}")]
+    Store {
+        path: String,
+        source: crate::store::StoreError,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Agent(String),
+    #[error("{0}")]
+    Auth(String),
+    #[error("supervisor: {0}")]
+    Supervisor(String),
+}
+
+/// A running server.
+pub struct Server {
+    pub addr: SocketAddr,
+    config: Arc<Config>,
+    store: Arc<dyn Store>,
+    supervisor: ActorRef<SupervisorMsg>,
+    accept_stop: CancellationToken,
+    sockets_stop: CancellationToken,
+    http: JoinHandle<()>,
+    prune: JoinHandle<()>,
+}
+
+/// Deletes history older than `store.retain`, now and then, in the
+/// background. Replays that reach into pruned history say
+/// `replay_incomplete`.
+async fn prune_loop(store: Arc<dyn Store>, retain: Duration) {
+    let every = (retain / 4).clamp(Duration::from_secs(1), Duration::from_secs(3600));
+    let mut ticker = tokio::time::interval(every);
+    loop {
+        ticker.tick().await;
+        let Some(before) = std::time::SystemTime::now().checked_sub(retain) else {
+            continue;
+        };
+        match store.prune(before).await {
+            Ok(0) => {}
+            Ok(deleted) => {
+                info!(deleted, retain = %humantime::format_duration(retain), "pruned old history")
+            }
+            Err(e) => warn!(error = %e, "pruning old history failed"),
+        }
+    }
+}
+
+fn build_agent(config: &Config) -> Result<Arc<dyn Agent>, StartError> {
+    match config.agent.kind {
+        AgentKind::Demo => Ok(Arc::new(DemoAgent)),
+        AgentKind::Command => Err(StartError::Agent(
+            "agent.kind = \"command\" is not available in this build".into(),
+        )),
+    }
+}
+
+impl Server {
+    pub async fn start(config: Config) -> Result<Server, StartError> {
+        let config = Arc::new(config);
+        let path = config.store.path.clone();
+        let store_err = |source| StartError::Store {
+            path: path.display().to_string(),
+            source,
+        };
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&path).map_err(store_err)?);
+        let recovered = crate::recovery::recover(&store).await.map_err(store_err)?;
+        if recovered > 0 {
+            info!(
+                recovered,
+                "closed conversations interrupted by the last stop"
+            );
+        }
+        let prune = tokio::spawn(prune_loop(store.clone(), config.store.retain));
+        let agent = build_agent(&config)?;
+        let auth = Authenticator::from_config(&config.auth).map_err(StartError::Auth)?;
+        let (supervisor, _) = Actor::spawn(
+            None,
+            Supervisor,
+            SupervisorArgs {
+                config: config.clone(),
+                store: store.clone(),
+                agent,
+            },
+        )
+        .await
+        .map_err(|e| StartError::Supervisor(e.to_string()))?;
+
+        let listener = TcpListener::bind(config.server.listen)
+            .await
+            .map_err(|source| StartError::Listen {
+                addr: config.server.listen,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Listen {
+            addr: config.server.listen,
+            source,
+        })?;
+        let accept_stop = CancellationToken::new();
+        let sockets_stop = CancellationToken::new();
+        let app = gateway::router(AppState {
+            config: config.clone(),
+            store: store.clone(),
+            supervisor: supervisor.clone(),
+            shutdown: sockets_stop.clone(),
+            next_connection: Arc::new(AtomicU64::new(1)),
+            connections: Default::default(),
+            auth: Arc::new(auth),
+        });
+        let stop = accept_stop.clone();
+        let http = tokio::spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+            if let Err(e) = served {
+                warn!(error = %e, "http server failed");
+            }
+        });
+        info!("listening on {addr}");
+        Ok(Server {
+            addr,
+            config,
+            store,
+            supervisor,
+            accept_stop,
+            sockets_stop,
+            http,
+            prune,
+        })
+    }
+
+    /// Graceful shutdown (protocol §6), bounded by `server.shutdown_grace`.
+    pub async fn shutdown(self) {
+        let grace = self.config.server.shutdown_grace;
+        info!(grace = %humantime::format_duration(grace), "shutting down");
+        let steps = async {
+            // Stop accepting; upgraded websockets are not covered by this.
+            self.accept_stop.cancel();
+            // Running turns end interrupted, agent_stopped shutdown is
+            // recorded and every attached connection gets detached shutdown.
+            let stopped = self
+                .supervisor
+                .call(|reply| SupervisorMsg::Shutdown { reply }, Some(grace))
+                .await;
+            if !matches!(stopped, Ok(CallResult::Success(()))) {
+                warn!("not every conversation stopped in time");
+            }
+            // Close every socket with 1001 once what is queued is sent.
+            self.sockets_stop.cancel();
+            if let Err(e) = self.store.flush().await {
+                warn!(error = %e, "flushing the store failed");
+            }
+        };
+        if tokio::time::timeout(grace, steps).await.is_err() {
+            warn!("shutdown grace ran out");
+        }
+        self.sockets_stop.cancel();
+        self.prune.abort();
+        self.supervisor.stop(None);
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.http).await;
+        info!("shutdown complete");
+    }
+}

@@ -1,0 +1,476 @@
+//! Test harness for the integration tests: an in-process server on a free
+//! port with its own temporary store, and a websocket client speaking
+//! protocol v1 (`shared/protocol.md`).
+//!
+//! Synchronization is always on frames or on stored state, never on a fixed
+//! sleep. Every wait is bounded by [`RECV_TIMEOUT`] and panics with what it
+//! was waiting for and the last frames seen: the timeout only turns a hang
+//! into a clear failure.
+
+#![allow(dead_code)]
+
+pub mod process;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{connect_async, MaybeTlsStream, WebSocketStream};
+
+use linger::config::Config;
+use linger::server::Server;
+
+/// How long any single wait may take before the test fails.
+pub const RECV_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How many recent frames a failure message shows.
+const HISTORY: usize = 8;
+
+type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// A server running in this test's runtime, with its store in a temporary
+/// directory that lives as long as the struct.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    server: Option<Server>,
+    http: reqwest::Client,
+    dir: tempfile::TempDir,
+}
+
+impl TestServer {
+    pub async fn start() -> TestServer {
+        TestServer::start_with(|_| {}).await
+    }
+
+    /// Starts a server with the defaults, a free loopback port, a fresh
+    /// store, and whatever `tweak` changes.
+    pub async fn start_with(tweak: impl FnOnce(&mut Config)) -> TestServer {
+        init_tracing();
+        let dir = tempfile::tempdir().expect("temporary store directory");
+        let mut config = Config::default();
+        config.server.listen = "127.0.0.1:0".parse().unwrap();
+        config.store.path = dir.path().to_path_buf();
+        tweak(&mut config);
+        let server = Server::start(config)
+            .await
+            .unwrap_or_else(|e| panic!("the server did not start: {e}"));
+        TestServer {
+            addr: server.addr,
+            server: Some(server),
+            http: reqwest::Client::new(),
+            dir,
+        }
+    }
+
+    /// The store directory (`store.path`).
+    pub fn store_path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    pub fn ws_url(&self, token: &str) -> String {
+        format!("ws://{}/v1/ws?token={token}", self.addr)
+    }
+
+    pub fn http_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Opens a websocket as `user` (dev auth: the token is the user name).
+    pub async fn connect(&self, user: &str) -> Client {
+        Client::connect(&self.ws_url(user), user).await
+    }
+
+    /// GET `path` with `token` as a bearer token (none: no Authorization);
+    /// returns the status and the body as JSON (a string when not JSON).
+    pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
+        let mut request = self.http.get(self.http_url(path));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        let response = tokio::time::timeout(RECV_TIMEOUT, request.send())
+            .await
+            .unwrap_or_else(|_| panic!("GET {path}: no answer in {RECV_TIMEOUT:?}"))
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let status = response.status().as_u16();
+        let body = response
+            .text()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: reading the body: {e}"));
+        let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+        (status, value)
+    }
+
+    /// The stored events of a conversation after `after`, through REST
+    /// (which never activates or attaches).
+    pub async fn stored_events(&self, id: &str, user: &str, after: u64) -> Vec<Value> {
+        let path = format!("/v1/conversations/{id}/events?after={after}&limit=10000");
+        let (status, body) = self.get(&path, Some(user)).await;
+        assert_eq!(status, 200, "GET {path} as {user}: {body}");
+        body["events"]
+            .as_array()
+            .unwrap_or_else(|| panic!("GET {path}: no `events` array in {body}"))
+            .clone()
+    }
+
+    /// Waits until the stored history satisfies `done`, reading it through
+    /// REST. This polls a condition on recorded state (for a conversation
+    /// that nobody is attached to, there are no frames to wait on); the
+    /// interval only paces the polling, it decides nothing.
+    pub async fn wait_for_stored(
+        &self,
+        id: &str,
+        user: &str,
+        what: &str,
+        done: impl Fn(&[Value]) -> bool,
+    ) -> Vec<Value> {
+        let deadline = Instant::now() + RECV_TIMEOUT;
+        loop {
+            let events = self.stored_events(id, user, 0).await;
+            if done(&events) {
+                return events;
+            }
+            if Instant::now() >= deadline {
+                let tail: Vec<&Value> = events.iter().rev().take(HISTORY).rev().collect();
+                panic!(
+                    "waited {RECV_TIMEOUT:?} for the stored history of {id} to show {what}; \
+                     {} events stored, the last: {tail:#?}",
+                    events.len()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Graceful shutdown (protocol §6).
+    pub async fn shutdown(mut self) {
+        if let Some(server) = self.server.take() {
+            server.shutdown().await;
+        }
+    }
+}
+
+/// One websocket connection.
+pub struct Client {
+    pub user: String,
+    ws: Ws,
+    /// Frames read while looking for something else (a reply), handed out
+    /// first by [`Client::recv`].
+    backlog: VecDeque<Value>,
+    /// Non-event frames skipped by the event readers.
+    pub skipped: Vec<Value>,
+    history: VecDeque<Value>,
+    next_req: u64,
+}
+
+impl Client {
+    pub async fn connect(url: &str, user: &str) -> Client {
+        let (ws, _) = tokio::time::timeout(RECV_TIMEOUT, connect_async(url))
+            .await
+            .unwrap_or_else(|_| panic!("connecting to {url}: no answer in {RECV_TIMEOUT:?}"))
+            .unwrap_or_else(|e| panic!("connecting to {url}: {e}"));
+        Client {
+            user: user.to_owned(),
+            ws,
+            backlog: VecDeque::new(),
+            skipped: Vec::new(),
+            history: VecDeque::new(),
+            next_req: 1,
+        }
+    }
+
+    /// Sends one JSON frame.
+    pub async fn send(&mut self, frame: Value) {
+        self.send_text(&frame.to_string()).await;
+    }
+
+    /// Sends one text frame, verbatim.
+    pub async fn send_text(&mut self, text: &str) {
+        self.ws
+            .send(Message::text(text.to_owned()))
+            .await
+            .unwrap_or_else(|e| panic!("{}: sending {text}: {e}", self.user));
+    }
+
+    pub async fn send_binary(&mut self, bytes: Vec<u8>) {
+        self.ws
+            .send(Message::binary(bytes))
+            .await
+            .unwrap_or_else(|e| panic!("{}: sending a binary frame: {e}", self.user));
+    }
+
+    fn remember(&mut self, frame: &Value) {
+        if self.history.len() == HISTORY {
+            self.history.pop_front();
+        }
+        self.history.push_back(frame.clone());
+    }
+
+    fn recent(&self) -> String {
+        let frames: Vec<String> = self.history.iter().map(Value::to_string).collect();
+        if frames.is_empty() {
+            "none".to_owned()
+        } else {
+            frames.join("\n  ")
+        }
+    }
+
+    /// The next text frame from the socket itself (not the backlog).
+    async fn recv_wire(&mut self, what: &str) -> Value {
+        let started = Instant::now();
+        loop {
+            let left = RECV_TIMEOUT.saturating_sub(started.elapsed());
+            let next = match tokio::time::timeout(left, self.ws.next()).await {
+                Ok(next) => next,
+                Err(_) => panic!(
+                    "{}: no frame in {RECV_TIMEOUT:?} while waiting for {what}; last frames:\n  {}",
+                    self.user,
+                    self.recent()
+                ),
+            };
+            let message = match next {
+                Some(Ok(message)) => message,
+                Some(Err(e)) => panic!(
+                    "{}: socket error while waiting for {what}: {e}; last frames:\n  {}",
+                    self.user,
+                    self.recent()
+                ),
+                None => panic!(
+                    "{}: socket ended while waiting for {what}; last frames:\n  {}",
+                    self.user,
+                    self.recent()
+                ),
+            };
+            match message {
+                Message::Text(text) => {
+                    let value: Value = serde_json::from_str(text.as_str()).unwrap_or_else(|e| {
+                        panic!("{}: the server sent invalid JSON ({e}): {text}", self.user)
+                    });
+                    self.remember(&value);
+                    return value;
+                }
+                Message::Close(frame) => panic!(
+                    "{}: the server closed the connection ({frame:?}) while waiting for {what}; \
+                     last frames:\n  {}",
+                    self.user,
+                    self.recent()
+                ),
+                Message::Binary(_) => panic!("{}: the server sent a binary frame", self.user),
+                Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
+            }
+        }
+    }
+
+    /// The next frame (backlog first). Panics after [`RECV_TIMEOUT`].
+    pub async fn recv(&mut self) -> Value {
+        self.recv_for("any frame").await
+    }
+
+    async fn recv_for(&mut self, what: &str) -> Value {
+        match self.backlog.pop_front() {
+            Some(frame) => frame,
+            None => self.recv_wire(what).await,
+        }
+    }
+
+    /// Reads until a frame matches; returns it and the frames before it.
+    pub async fn recv_until(&mut self, pred: impl Fn(&Value) -> bool) -> (Value, Vec<Value>) {
+        let mut skipped = Vec::new();
+        loop {
+            let frame = self.recv_for("a frame matching a predicate").await;
+            if pred(&frame) {
+                return (frame, skipped);
+            }
+            skipped.push(frame);
+        }
+    }
+
+    /// Sends `frame` with a fresh `req` (unless it has one) and returns the
+    /// reply that echoes it. Frames read meanwhile stay queued for `recv`.
+    pub async fn request(&mut self, mut frame: Value) -> Value {
+        if frame.get("req").is_none() {
+            frame["req"] = json!(format!("r{}", self.next_req));
+            self.next_req += 1;
+        }
+        let req = frame["req"].clone();
+        self.send(frame.clone()).await;
+        if let Some(pos) = self.backlog.iter().position(|f| f.get("req") == Some(&req)) {
+            return self.backlog.remove(pos).unwrap();
+        }
+        let what = format!("the reply to {frame}");
+        loop {
+            let reply = self.recv_wire(&what).await;
+            if reply.get("req") == Some(&req) {
+                return reply;
+            }
+            self.backlog.push_back(reply);
+        }
+    }
+
+    /// `create`: returns the new conversation's id (this connection is
+    /// attached to it in control mode from seq 1).
+    pub async fn create(&mut self) -> String {
+        self.create_titled("").await
+    }
+
+    pub async fn create_titled(&mut self, title: &str) -> String {
+        let reply = self
+            .request(json!({"type": "create", "title": title}))
+            .await;
+        assert_eq!(reply["type"], "created", "create: {reply}");
+        reply["conversation_id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("created without conversation_id: {reply}"))
+            .to_owned()
+    }
+
+    /// `attach` in control mode; asserts and returns the `attached` frame.
+    pub async fn attach(&mut self, id: &str, last_seq: u64) -> Value {
+        self.attach_with(id, last_seq, "control").await
+    }
+
+    pub async fn attach_with(&mut self, id: &str, last_seq: u64, mode: &str) -> Value {
+        let reply = self
+            .request(json!({"type": "attach", "conversation_id": id, "last_seq": last_seq, "mode": mode}))
+            .await;
+        assert_eq!(
+            reply["type"], "attached",
+            "attach {id} from {last_seq}: {reply}"
+        );
+        assert_eq!(reply["conversation_id"], id, "{reply}");
+        assert_eq!(reply["mode"], mode, "{reply}");
+        reply
+    }
+
+    /// `message`; asserts and returns the `ack`.
+    pub async fn send_message(&mut self, id: &str, text: &str) -> Value {
+        let reply = self
+            .request(json!({"type": "message", "conversation_id": id, "text": text}))
+            .await;
+        assert_eq!(reply["type"], "ack", "message {text:?}: {reply}");
+        assert_eq!(reply["conversation_id"], id, "{reply}");
+        assert!(reply["seq"].is_u64(), "ack without seq: {reply}");
+        reply
+    }
+
+    /// The next event of conversation `id`. Other frames are kept in
+    /// `skipped`; an `error` frame fails the test.
+    pub async fn next_event(&mut self, id: &str) -> Value {
+        loop {
+            let frame = self.recv_for(&format!("an event of {id}")).await;
+            if frame["type"] == "event" && frame["conversation_id"] == id {
+                return frame;
+            }
+            if frame["type"] == "error" {
+                panic!(
+                    "{}: error frame while reading events of {id}: {frame}",
+                    self.user
+                );
+            }
+            self.skipped.push(frame);
+        }
+    }
+
+    /// Exactly `n` events of conversation `id`.
+    pub async fn events(&mut self, id: &str, n: usize) -> Vec<Value> {
+        let mut events = Vec::with_capacity(n);
+        while events.len() < n {
+            events.push(self.next_event(id).await);
+        }
+        events
+    }
+
+    /// Events of `id` up to and including the next `turn_finished`.
+    pub async fn events_until_turn_finished(&mut self, id: &str) -> Vec<Value> {
+        self.events_until_kind(id, "turn_finished").await
+    }
+
+    /// Events of `id` up to and including the next one of `kind`.
+    pub async fn events_until_kind(&mut self, id: &str, kind: &str) -> Vec<Value> {
+        let mut events = Vec::new();
+        loop {
+            let event = self.next_event(id).await;
+            let done = event["kind"] == kind;
+            events.push(event);
+            if done {
+                return events;
+            }
+        }
+    }
+
+    /// Drops the connection without a close frame: the TCP stream just goes
+    /// away, as when a laptop lid closes or a network drops.
+    pub fn drop_abruptly(self) {
+        drop(self.ws);
+    }
+}
+
+/// An event's seq.
+pub fn seq(event: &Value) -> u64 {
+    event["seq"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("not an event with a seq: {event}"))
+}
+
+pub fn kind(event: &Value) -> &str {
+    event["kind"].as_str().unwrap_or("")
+}
+
+pub fn is_event(frame: &Value, kind_: &str) -> bool {
+    frame["type"] == "event" && frame["kind"] == kind_
+}
+
+/// Asserts that `events` have seqs `from, from+1, ...` with no gap and no
+/// duplicate.
+pub fn assert_contiguous(events: &[Value], from: u64) {
+    for (i, event) in events.iter().enumerate() {
+        let want = from + i as u64;
+        assert_eq!(
+            event["seq"].as_u64(),
+            Some(want),
+            "event #{i} should have seq {want} (contiguous from {from}); got {event}; \
+             previous: {}",
+            if i > 0 {
+                events[i - 1].to_string()
+            } else {
+                "none".into()
+            }
+        );
+    }
+}
+
+/// The text of every `text_delta`, as (seq, text).
+pub fn text_deltas(events: &[Value]) -> Vec<(u64, String)> {
+    events
+        .iter()
+        .filter(|e| kind(e) == "text_delta")
+        .map(|e| (seq(e), e["data"]["text"].as_str().unwrap_or("").to_owned()))
+        .collect()
+}
+
+/// `tok1 tok2 ... tokN ` as the demo agent streams it.
+pub fn stream_text(n: u64) -> String {
+    (1..=n).map(|i| format!("tok{i} ")).collect()
+}
+
+/// The single event of `kind` among `events`.
+pub fn the_one<'a>(events: &'a [Value], kind_: &str) -> &'a Value {
+    let found: Vec<&Value> = events.iter().filter(|e| kind(e) == kind_).collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "expected exactly one {kind_} event, got {}: {found:#?}",
+        found.len()
+    );
+    found[0]
+}

@@ -1,0 +1,183 @@
+//! The real `linger` binary as a child process, for the tests that kill it
+//! (SIGKILL, SIGTERM) and read its log.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{Client, RECV_TIMEOUT};
+
+pub struct ServerProcess {
+    pub addr: SocketAddr,
+    pub pid: u32,
+    log: Arc<Mutex<Vec<String>>>,
+    new_line: mpsc::Receiver<String>,
+    exit: mpsc::Receiver<ExitStatus>,
+    exited: Option<ExitStatus>,
+}
+
+impl ServerProcess {
+    /// Starts `linger serve` on a free port with its store in `store`, the
+    /// given extra TOML appended to the config, and waits for
+    /// `listening on ADDR`.
+    pub fn spawn(store: &Path, extra_toml: &str) -> ServerProcess {
+        let config = store.join("linger-test.toml");
+        std::fs::create_dir_all(store).unwrap();
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[store]\npath = {:?}\n{extra_toml}\n",
+            store.display().to_string()
+        );
+        std::fs::write(&config, text).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_linger"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("LINGER_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the linger binary");
+        let pid = child.id();
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (line_tx, new_line) = mpsc::channel();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line.clone());
+                let _ = line_tx.send(line);
+            }
+        });
+        let (exit_tx, exit) = mpsc::channel();
+        std::thread::spawn(move || {
+            if let Ok(status) = child.wait() {
+                let _ = exit_tx.send(status);
+            }
+        });
+        let mut process = ServerProcess {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            pid,
+            log,
+            new_line,
+            exit,
+            exited: None,
+        };
+        let line = process.wait_for_log(|l| l.contains("listening on "));
+        let addr = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|a| a.trim_matches('"').parse().ok())
+            .unwrap_or_else(|| panic!("no address in {line:?}"));
+        process.addr = addr;
+        process
+    }
+
+    pub fn ws_url(&self, user: &str) -> String {
+        format!("ws://{}/v1/ws?token={user}", self.addr)
+    }
+
+    pub async fn connect(&self, user: &str) -> Client {
+        Client::connect(&self.ws_url(user), user).await
+    }
+
+    /// Waits for a log line (already written or coming) that matches.
+    pub fn wait_for_log(&mut self, pred: impl Fn(&str) -> bool) -> String {
+        if let Some(line) = self.log.lock().unwrap().iter().find(|l| pred(l)) {
+            return line.clone();
+        }
+        loop {
+            match self.new_line.recv_timeout(RECV_TIMEOUT) {
+                Ok(line) if pred(&line) => return line,
+                Ok(_) => continue,
+                Err(_) => panic!(
+                    "no matching log line in {RECV_TIMEOUT:?}; log:\n{}",
+                    self.log.lock().unwrap().join("\n")
+                ),
+            }
+        }
+    }
+
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} {} failed", self.pid);
+    }
+
+    /// Waits for the process to exit (at most `within`).
+    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        if let Some(status) = self.exited {
+            return status;
+        }
+        let status = self.exit.recv_timeout(within).unwrap_or_else(|_| {
+            panic!(
+                "linger did not exit within {within:?}; log:\n{}",
+                self.log.lock().unwrap().join("\n")
+            )
+        });
+        self.exited = Some(status);
+        status
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub fn kill9(&mut self) {
+        self.signal("KILL");
+        self.wait_exit(RECV_TIMEOUT);
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        if self.exited.is_none() && self.exit.try_recv().is_err() {
+            let _ = Command::new("kill")
+                .args(["-KILL", &self.pid.to_string()])
+                .status();
+        }
+    }
+}
+
+impl Client {
+    /// Reads frames until the server closes the connection; returns the
+    /// frames before the close and the close code.
+    pub async fn until_closed(&mut self) -> (Vec<super::Value>, Option<u16>) {
+        use futures_util::StreamExt;
+        use tokio_tungstenite::tungstenite::Message;
+        let mut frames: Vec<super::Value> = self.backlog.drain(..).collect();
+        loop {
+            let next = tokio::time::timeout(RECV_TIMEOUT, self.ws.next())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "{}: the server did not close in {RECV_TIMEOUT:?}",
+                        self.user
+                    )
+                });
+            match next {
+                Some(Ok(Message::Text(text))) => frames
+                    .push(serde_json::from_str(text.as_str()).expect("server frames are JSON")),
+                Some(Ok(Message::Close(frame))) => {
+                    return (frames, frame.map(|f| u16::from(f.code)))
+                }
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => return (frames, None),
+            }
+        }
+    }
+}
+
+pub fn temp_store() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    (dir, store)
+}

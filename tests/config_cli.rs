@@ -1,0 +1,90 @@
+//! The binary refuses a bad configuration at start-up, naming the key, and
+//! takes `LINGER__SECTION__KEY` overrides.
+
+use std::process::{Command, Stdio};
+
+fn linger() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_linger"));
+    cmd.env_remove("LINGER_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (key, _) in std::env::vars() {
+        if key.starts_with("LINGER__") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+fn refused(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run linger");
+    assert!(!out.status.success(), "linger started with a bad config");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn unknown_key_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("linger.toml");
+    std::fs::write(&file, "[conversations]\nclose_dealy = \"5m\"\n").unwrap();
+    let err = refused(linger().args(["serve", "--config"]).arg(&file));
+    assert!(err.contains("close_dealy"), "stderr: {err}");
+    assert!(err.contains("conversations"), "stderr: {err}");
+}
+
+#[test]
+fn unknown_section_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("linger.toml");
+    std::fs::write(&file, "[storage]\npath = \"x\"\n").unwrap();
+    let err = refused(linger().args(["serve", "--config"]).arg(&file));
+    assert!(err.contains("storage"), "stderr: {err}");
+}
+
+#[test]
+fn bad_duration_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("linger.toml");
+    std::fs::write(&file, "[conversations]\nclose_delay = \"soon\"\n").unwrap();
+    let err = refused(linger().args(["serve", "--config"]).arg(&file));
+    assert!(err.contains("conversations.close_delay"), "stderr: {err}");
+}
+
+#[test]
+fn bad_env_override_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = refused(
+        linger()
+            .current_dir(dir.path())
+            .env("LINGER__CONVERSATIONS__MAX_PER_USER", "many")
+            .arg("serve"),
+    );
+    assert!(err.contains("conversations.max_per_user"), "stderr: {err}");
+}
+
+#[test]
+fn dev_auth_refuses_a_public_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = refused(
+        linger()
+            .current_dir(dir.path())
+            .env("LINGER__SERVER__LISTEN", "0.0.0.0:0")
+            .arg("serve"),
+    );
+    assert!(err.contains("auth.mode"), "stderr: {err}");
+}
+
+#[test]
+fn missing_config_file_is_an_error() {
+    let err = refused(linger().args(["serve", "--config", "/nonexistent/linger.toml"]));
+    assert!(err.contains("/nonexistent/linger.toml"), "stderr: {err}");
+}
+
+#[test]
+fn shipped_config_matches_the_defaults() {
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/linger.toml");
+    let text = std::fs::read_to_string(shipped).unwrap();
+    let parsed = linger::config::Config::from_toml(&text).unwrap();
+    assert_eq!(parsed, linger::config::Config::default());
+}

@@ -1,0 +1,123 @@
+//! Durability of the real binary: history survives SIGKILL (protocol §5.4),
+//! and SIGTERM shuts down gracefully (protocol §6).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::process::{temp_store, ServerProcess};
+use common::{is_event, kind, seq};
+use serde_json::{json, Value};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_stream_loses_nothing_that_was_seen() {
+    let (_dir, store) = temp_store();
+    let mut server = ServerProcess::spawn(&store, "");
+    let mut client = server.connect("alice").await;
+    let id = client.create().await;
+    client.send_message(&id, "/stream 3000 5").await;
+    let mut seen: BTreeMap<u64, Value> = BTreeMap::new();
+    loop {
+        let event = client.next_event(&id).await;
+        seen.insert(seq(&event), event.clone());
+        if kind(&event) == "text_delta" && seen.len() >= 40 {
+            break;
+        }
+    }
+    server.kill9();
+    drop(client);
+
+    let mut server = ServerProcess::spawn(&store, "");
+    server.wait_for_log(|l| l.contains("recovered conversation after restart"));
+    let mut client = server.connect("alice").await;
+    let attached = client.attach(&id, 0).await;
+    assert_eq!(attached["replay_from"], 1);
+    assert_eq!(attached["replay_incomplete"], false);
+    let head = attached["head_seq"].as_u64().unwrap();
+    let replay = client.events(&id, head as usize).await;
+    common::assert_contiguous(&replay, 1);
+    for event in &replay {
+        if let Some(before) = seen.get(&seq(event)) {
+            assert_eq!(before, event, "seq {} changed across the crash", seq(event));
+        }
+    }
+    let last_seen = *seen.keys().last().unwrap();
+    assert!(
+        head > last_seen,
+        "head {head} lost events seen up to {last_seen}"
+    );
+    let tail: Vec<&Value> = replay.iter().rev().take(2).collect();
+    assert_eq!(kind(tail[1]), "turn_finished");
+    assert_eq!(tail[1]["data"]["status"], "interrupted");
+    assert_eq!(kind(tail[0]), "agent_stopped");
+    assert_eq!(tail[0]["data"]["reason"], "restart_recovery");
+
+    // Attaching re-activated it; the next message works and seq continues.
+    let started = client.next_event(&id).await;
+    assert_eq!(seq(&started), head + 1);
+    assert!(is_event(&started, "agent_started"));
+    assert_eq!(started["data"]["reason"], "attach");
+    let ack = client.send_message(&id, "still here").await;
+    assert_eq!(ack["seq"], head + 2);
+    let turn = client.events_until_turn_finished(&id).await;
+    common::assert_contiguous(&turn, head + 2);
+    assert_eq!(turn.last().unwrap()["data"]["status"], "completed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_shuts_down_gracefully() {
+    let (_dir, store) = temp_store();
+    let mut server = ServerProcess::spawn(&store, "");
+    let mut client = server.connect("alice").await;
+    let id = client.create().await;
+    client.send_message(&id, "/stream 3000 5").await;
+    loop {
+        let event = client.next_event(&id).await;
+        if kind(&event) == "text_delta" {
+            break;
+        }
+    }
+    server.signal("TERM");
+    let (frames, code) = client.until_closed().await;
+    assert_eq!(
+        code,
+        Some(1001),
+        "sockets close with 1001; frames: {frames:?}"
+    );
+    let finished = frames
+        .iter()
+        .position(|f| is_event(f, "turn_finished"))
+        .expect("turn_finished before the close");
+    assert_eq!(frames[finished]["data"]["status"], "interrupted");
+    let stopped = frames
+        .iter()
+        .position(|f| is_event(f, "agent_stopped"))
+        .expect("agent_stopped before the close");
+    assert_eq!(frames[stopped]["data"]["reason"], "shutdown");
+    assert_eq!(seq(&frames[stopped]), seq(&frames[finished]) + 1);
+    let detached = frames
+        .iter()
+        .position(|f| f["type"] == "detached")
+        .expect("detached before the close");
+    assert_eq!(frames[detached]["reason"], "shutdown");
+    assert!(detached > stopped);
+    let status = server.wait_exit(Duration::from_secs(15));
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+
+    // The store was flushed: a restart finds the history closed by the
+    // shutdown itself, with nothing left to recover.
+    let last = seq(&frames[stopped]);
+    let mut server = ServerProcess::spawn(&store, "");
+    let mut client = server.connect("alice").await;
+    let attached = client.attach(&id, last).await;
+    assert_eq!(attached["head_seq"], last);
+    assert!(!server
+        .log()
+        .iter()
+        .any(|l| l.contains("recovered conversation after restart")));
+    let reply = client.request(json!({"type": "ping"})).await;
+    assert_eq!(reply["type"], "pong");
+    server.signal("TERM");
+    assert_eq!(server.wait_exit(Duration::from_secs(15)).code(), Some(0));
+}
