@@ -57,10 +57,10 @@ pub fn conversation_stopped(reason: StopReason) {
     counter!("linger_conversations_stopped_total", "reason" => reason.as_str()).increment(1);
 }
 
-pub fn store_commit(duration: Duration, events: usize) {
+/// One store transaction: how long it took and how many commands it held.
+pub fn store_commit(duration: Duration, commands: usize) {
     histogram!("linger_store_commit_seconds").record(duration.as_secs_f64());
-    counter!("linger_store_commits_total").increment(1);
-    let _ = events;
+    histogram!("linger_store_commit_group_size").record(commands as f64);
 }
 
 pub fn active_conversations(status: Status, count: usize) {

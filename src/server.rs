@@ -87,6 +87,8 @@ fn build_agent(config: &Config) -> Result<Arc<dyn Agent>, StartError> {
 impl Server {
     pub async fn start(config: Config) -> Result<Server, StartError> {
         let config = Arc::new(config);
+        // Install the recorder before anything counts.
+        crate::metrics::handle();
         let path = config.store.path.clone();
         let store_err = |source| StartError::Store {
             path: path.display().to_string(),

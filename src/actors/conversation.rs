@@ -387,8 +387,9 @@ impl Actor for Conversation {
                         info!(conversation = %state.id, user = %state.user,
                             rule = "detach_grace", detach_grace = %grace,
                             "turn abandoned: nobody attached");
+                        // Queued messages stay queued: they were recorded,
+                        // and each of their turns gets its own grace.
                         state.session.stop_turn();
-                        state.queue.clear();
                         state.end_turn(&myself, TurnStatus::Abandoned, None);
                     }
                 }
@@ -601,6 +602,10 @@ impl State {
                 "the conversation is stopping; attach again",
                 Some(self.id.to_string()),
             ));
+            let _ = conn.actor.cast(ConnectionMsg::DetachedBy {
+                conversation_id: self.id.clone(),
+                actor: myself.get_id(),
+            });
             return;
         }
         let conn_id = conn.id;
@@ -636,6 +641,9 @@ impl State {
             },
         );
         self.last_activity = Instant::now();
+        // Published before the replay starts, so that anyone who has seen
+        // this attachment's frames also sees it counted.
+        self.publish_gauge();
         self.spawn_catch_up(myself, conn_id, from, attached);
     }
 

@@ -535,6 +535,7 @@ impl Writer {
         let prune_cutoff = self.prunes.front().map(|j| j.cutoff.clone());
         let mut results: Vec<Result<Done, StoreError>> = Vec::with_capacity(group.len());
         let mut pruned: Option<Result<i64, StoreError>> = None;
+        let started = std::time::Instant::now();
 
         let outcome = self.transaction(
             group,
@@ -563,6 +564,7 @@ impl Writer {
         match outcome {
             Ok(()) => {
                 self.commits.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::store_commit(started.elapsed(), group.len());
                 for (cmd, result) in group.drain(..).zip(results) {
                     cmd.finish(result);
                 }

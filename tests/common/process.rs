@@ -71,8 +71,12 @@ impl ServerProcess {
         let addr = line
             .split("listening on ")
             .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.trim_matches('"').parse().ok())
+            .map(|rest| {
+                rest.chars()
+                    .take_while(|c| c.is_ascii_hexdigit() || matches!(c, '.' | ':' | '[' | ']'))
+                    .collect::<String>()
+            })
+            .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("no address in {line:?}"));
         process.addr = addr;
         process
