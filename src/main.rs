@@ -1,4 +1,5 @@
-//! The `linger` binary: `linger serve [--config PATH]`.
+//! The `linger` binary: `linger serve [--config PATH]`, and the terminal
+//! client (`new`, `ls`, `send`, `attach`, in `src/cli/`).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -8,6 +9,8 @@ use clap::{Parser, Subcommand};
 use linger::config::{Config, LogFormat};
 use linger::server::Server;
 use tracing_subscriber::EnvFilter;
+
+mod cli;
 
 #[derive(Parser)]
 #[command(
@@ -28,6 +31,14 @@ enum Command {
         #[arg(long, env = "LINGER_CONFIG")]
         config: Option<PathBuf>,
     },
+    /// Create a conversation and print its id.
+    New(cli::new::Args),
+    /// List your conversations.
+    Ls(cli::ls::Args),
+    /// Send one message to a conversation (resuming it if stopped).
+    Send(cli::send::Args),
+    /// Follow a conversation in the terminal and chat; Ctrl-D detaches.
+    Attach(cli::attach::Args),
 }
 
 fn init_logging(format: LogFormat) {
@@ -70,11 +81,24 @@ async fn shutdown_signal() {
     }
 }
 
+/// A client command's end: its error on stderr and exit status 1.
+fn client(result: anyhow::Result<()>) -> anyhow::Result<()> {
+    if let Err(e) = result {
+        eprintln!("linger: {e:#}");
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config_path = match cli.command {
         Some(Command::Serve { config }) => config,
+        Some(Command::New(args)) => return client(cli::new::run(args).await),
+        Some(Command::Ls(args)) => return client(cli::ls::run(args).await),
+        Some(Command::Send(args)) => return client(cli::send::run(args).await),
+        Some(Command::Attach(args)) => return client(cli::attach::run(args).await),
         None => std::env::var_os("LINGER_CONFIG").map(PathBuf::from),
     };
     let config = match Config::load(config_path.as_deref()) {

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::agent::command::CommandAgent;
 use crate::agent::demo::DemoAgent;
 use crate::agent::Agent;
 use crate::config::{AgentKind, Config};
@@ -52,6 +53,7 @@ pub struct Server {
     sockets_stop: CancellationToken,
     http: JoinHandle<()>,
     prune: JoinHandle<()>,
+    agent: Arc<dyn Agent>,
 }
 
 /// Deletes history older than `store.retain`, now and then, in the
@@ -78,9 +80,10 @@ async fn prune_loop(store: Arc<dyn Store>, retain: Duration) {
 fn build_agent(config: &Config) -> Result<Arc<dyn Agent>, StartError> {
     match config.agent.kind {
         AgentKind::Demo => Ok(Arc::new(DemoAgent)),
-        AgentKind::Command => Err(StartError::Agent(
-            "agent.kind = \"command\" is not available in this build".into(),
-        )),
+        AgentKind::Command => match CommandAgent::new(config.agent.command.clone()) {
+            Ok(agent) => Ok(Arc::new(agent.hide_env(&config.auth.jwt_secret_env))),
+            Err(e) => Err(StartError::Agent(e.to_string())),
+        },
     }
 }
 
@@ -111,7 +114,7 @@ impl Server {
             SupervisorArgs {
                 config: config.clone(),
                 store: store.clone(),
-                agent,
+                agent: agent.clone(),
             },
         )
         .await
@@ -157,6 +160,7 @@ impl Server {
             sockets_stop,
             http,
             prune,
+            agent,
         })
     }
 
@@ -178,6 +182,8 @@ impl Server {
             }
             // Close every socket with 1001 once what is queued is sent.
             self.sockets_stop.cancel();
+            // Agent processes get end of input, then SIGTERM, before we go.
+            self.agent.drained().await;
             if let Err(e) = self.store.flush().await {
                 warn!(error = %e, "flushing the store failed");
             }

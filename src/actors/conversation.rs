@@ -982,6 +982,9 @@ impl State {
             return;
         }
         self.cancel_timers();
+        // Set first: ending the turn must not start a queued one. Queued
+        // messages stay recorded and run when the conversation comes back.
+        self.stopping = Some(reason);
         if self.turn.is_some() {
             self.session.stop_turn();
             let status = if reason == StopReason::Shutdown {
@@ -991,7 +994,6 @@ impl State {
             };
             self.end_turn(myself, status, None);
         }
-        self.stopping = Some(reason);
         self.session.close();
         self.append(EventData::AgentStopped { reason });
         self.flush(myself);

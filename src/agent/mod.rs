@@ -3,11 +3,13 @@
 //! agent does through an [`EventSink`] as messages to the conversation actor.
 //! Nothing here ever blocks the conversation: every call returns at once.
 
+pub mod command;
 pub mod demo;
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use futures_util::future::BoxFuture;
 use ractor::ActorRef;
 use serde_json::Value;
 use tokio::sync::Semaphore;
@@ -104,6 +106,12 @@ pub struct SessionContext {
 /// Opens sessions: one per active conversation.
 pub trait Agent: Send + Sync + 'static {
     fn open(&self, ctx: SessionContext) -> Box<dyn AgentSession>;
+
+    /// Resolves once everything the agent started (processes, tasks) has
+    /// ended; a graceful shutdown waits for it, bounded by its grace.
+    fn drained(&self) -> BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
+    }
 }
 
 /// One active conversation's runner. All methods return at once.

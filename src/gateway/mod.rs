@@ -1,9 +1,11 @@
-//! The HTTP side: `/v1/ws`, the REST endpoints, `/healthz` and `/metrics`,
+//! The HTTP side: `/v1/ws`, the REST endpoints, the web page (`/`),
+//! `/healthz` and `/metrics`,
 //! all sharing one [`AppState`].
 
 pub mod auth;
 pub mod connections;
 pub mod rest;
+pub mod web;
 pub mod ws;
 
 use std::sync::atomic::AtomicU64;
@@ -32,6 +34,8 @@ pub struct AppState {
 
 pub fn router(state: AppState) -> Router {
     Router::new()
+        .route("/", get(web::index))
+        .route("/web/{file}", get(web::asset))
         .route("/v1/ws", get(ws::upgrade))
         .route("/v1/conversations", get(rest::list).post(rest::create))
         .route(

@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 pub mod process;
+pub mod proxy;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -111,6 +112,37 @@ impl TestServer {
         (status, value)
     }
 
+    /// Any REST call: `method` on `path`, with `token` as a bearer token
+    /// (none: no Authorization header) and an optional JSON body; returns
+    /// the status and the body as JSON (a string when not JSON).
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("an HTTP method");
+        let mut request = self.http.request(method.clone(), self.http_url(path));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = tokio::time::timeout(RECV_TIMEOUT, request.send())
+            .await
+            .unwrap_or_else(|_| panic!("{method} {path}: no answer in {RECV_TIMEOUT:?}"))
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        let status = response.status().as_u16();
+        let body = response
+            .text()
+            .await
+            .unwrap_or_else(|e| panic!("{method} {path}: reading the body: {e}"));
+        let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+        (status, value)
+    }
+
     /// The stored events of a conversation after `after`, through REST
     /// (which never activates or attaches).
     pub async fn stored_events(&self, id: &str, user: &str, after: u64) -> Vec<Value> {
@@ -173,12 +205,67 @@ pub struct Client {
     next_req: u64,
 }
 
+/// Tries a websocket upgrade with extra request headers (`Origin`,
+/// `Authorization`, ...): the connection, or the HTTP status it was refused
+/// with.
+pub async fn try_connect(url: &str, user: &str, headers: &[(&str, &str)]) -> Result<Client, u16> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Error;
+    let mut request = url
+        .into_client_request()
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    for (name, value) in headers {
+        request.headers_mut().insert(
+            tokio_tungstenite::tungstenite::http::HeaderName::from_bytes(name.as_bytes())
+                .expect("a header name"),
+            value.parse().expect("a header value"),
+        );
+    }
+    match tokio::time::timeout(RECV_TIMEOUT, connect_async(request)).await {
+        Err(_) => panic!("connecting to {url}: no answer in {RECV_TIMEOUT:?}"),
+        Ok(Ok((ws, _))) => Ok(Client::from_ws(ws, user)),
+        Ok(Err(Error::Http(response))) => Err(response.status().as_u16()),
+        Ok(Err(e)) => panic!("connecting to {url}: {e}"),
+    }
+}
+
 impl Client {
     pub async fn connect(url: &str, user: &str) -> Client {
         let (ws, _) = tokio::time::timeout(RECV_TIMEOUT, connect_async(url))
             .await
             .unwrap_or_else(|_| panic!("connecting to {url}: no answer in {RECV_TIMEOUT:?}"))
             .unwrap_or_else(|e| panic!("connecting to {url}: {e}"));
+        Client::from_ws(ws, user)
+    }
+
+    /// Connects with a small socket receive buffer (`SO_RCVBUF`, which also
+    /// turns off the kernel's autotuning), so that a client that stops
+    /// reading makes the server's writes block after little data.
+    pub async fn connect_small_buffer(url: &str, user: &str, recv_buffer: u32) -> Client {
+        let addr: SocketAddr = url
+            .trim_start_matches("ws://")
+            .split('/')
+            .next()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no socket address in {url}"));
+        let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+        socket
+            .set_recv_buffer_size(recv_buffer)
+            .expect("set SO_RCVBUF");
+        let connect = async {
+            let stream = socket.connect(addr).await?;
+            tokio_tungstenite::client_async(url, MaybeTlsStream::Plain(stream))
+                .await
+                .map_err(std::io::Error::other)
+        };
+        let (ws, _) = tokio::time::timeout(RECV_TIMEOUT, connect)
+            .await
+            .unwrap_or_else(|_| panic!("connecting to {url}: no answer in {RECV_TIMEOUT:?}"))
+            .unwrap_or_else(|e| panic!("connecting to {url}: {e}"));
+        Client::from_ws(ws, user)
+    }
+
+    fn from_ws(ws: Ws, user: &str) -> Client {
         Client {
             user: user.to_owned(),
             ws,
@@ -267,6 +354,41 @@ impl Client {
                 ),
                 Message::Binary(_) => panic!("{}: the server sent a binary frame", self.user),
                 Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
+            }
+        }
+    }
+
+    /// The next frame (backlog first), or how the connection ended: the
+    /// close code (None: no close frame, the stream just ended or failed).
+    /// Panics after [`RECV_TIMEOUT`] without either.
+    pub async fn recv_or_close(&mut self) -> Result<Value, Option<u16>> {
+        if let Some(frame) = self.backlog.pop_front() {
+            return Ok(frame);
+        }
+        loop {
+            let next = tokio::time::timeout(RECV_TIMEOUT, self.ws.next())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "{}: neither a frame nor a close in {RECV_TIMEOUT:?}; last frames:\n  {}",
+                        self.user,
+                        self.recent()
+                    )
+                });
+            match next {
+                Some(Ok(Message::Text(text))) => {
+                    let value: Value = serde_json::from_str(text.as_str()).unwrap_or_else(|e| {
+                        panic!("{}: the server sent invalid JSON ({e}): {text}", self.user)
+                    });
+                    self.remember(&value);
+                    return Ok(value);
+                }
+                Some(Ok(Message::Close(frame))) => return Err(frame.map(|f| u16::from(f.code))),
+                Some(Ok(Message::Binary(_))) => {
+                    panic!("{}: the server sent a binary frame", self.user)
+                }
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => return Err(None),
             }
         }
     }

@@ -1,0 +1,242 @@
+//! The server under load: a `linger serve` or `relay` the bench spawns on a
+//! free loopback port (and kills after), or one already running; and its
+//! CPU time and memory, read from /proc.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+
+use super::Common;
+
+/// How long a spawned server may take to say where it listens.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Server {
+    Linger,
+    Relay,
+}
+
+pub struct Target {
+    pub server: Server,
+    pub url: String,
+    pub pid: Option<u32>,
+    external: bool,
+    child: Option<Child>,
+    dir: Option<PathBuf>,
+}
+
+/// A process's CPU time and memory (Linux /proc).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcStats {
+    pub cpu_secs: f64,
+    pub rss_kib: u64,
+    pub hwm_kib: u64,
+}
+
+impl ProcStats {
+    pub fn read(pid: u32) -> Option<ProcStats> {
+        // Fields 14 and 15 of /proc/PID/stat (utime, stime), in clock
+        // ticks of 1/100 s on Linux.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let rest = stat.rsplit_once(')')?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let kib = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .unwrap_or(0)
+        };
+        Some(ProcStats {
+            cpu_secs: ticks as f64 / 100.0,
+            rss_kib: kib("VmRSS:"),
+            hwm_kib: kib("VmHWM:"),
+        })
+    }
+
+    /// This process (the generator).
+    pub fn me() -> Option<ProcStats> {
+        ProcStats::read(std::process::id())
+    }
+}
+
+impl Target {
+    pub fn external(url: &str, pid: Option<u32>) -> Target {
+        Target {
+            server: Server::Linger,
+            url: url.to_owned(),
+            pid,
+            external: true,
+            child: None,
+            dir: None,
+        }
+    }
+
+    pub fn label(&self) -> &'static str {
+        match (self.external, self.server) {
+            (true, _) => "server",
+            (false, Server::Linger) => "linger",
+            (false, Server::Relay) => "relay",
+        }
+    }
+
+    pub fn stats(&self) -> Option<ProcStats> {
+        ProcStats::read(self.pid?)
+    }
+
+    /// Spawns `linger serve` (this executable) or `relay` (its sibling) on
+    /// a free loopback port; linger gets a fresh store in a temporary
+    /// directory, its log goes to `server.log` there.
+    pub async fn spawn(
+        server: Server,
+        common: &Common,
+        linger_overrides: &[(&str, String)],
+    ) -> anyhow::Result<Target> {
+        let exe = std::env::current_exe().context("locating this executable")?;
+        let dir = std::env::temp_dir().join(format!(
+            "linger-bench-{}-{}",
+            std::process::id(),
+            ulid::Ulid::new()
+        ));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut cmd = match server {
+            Server::Linger => {
+                let config = dir.join("bench.toml");
+                std::fs::write(&config, "")?;
+                let mut cmd = Command::new(&exe);
+                cmd.arg("serve").arg("--config").arg(&config);
+                cmd.env("LINGER__SERVER__LISTEN", "127.0.0.1:0")
+                    .env("LINGER__STORE__PATH", dir.join("data"))
+                    .env("LINGER__LOG__FORMAT", "json");
+                for (key, value) in linger_overrides {
+                    cmd.env(env_key(key), value);
+                }
+                for kv in &common.overrides {
+                    let (key, value) = kv
+                        .split_once('=')
+                        .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
+                    cmd.env(env_key(key), value);
+                }
+                cmd
+            }
+            Server::Relay => {
+                let relay = exe.with_file_name("relay");
+                if !relay.exists() {
+                    bail!(
+                        "{} not found: build it with `cargo build --release --bin relay`",
+                        relay.display()
+                    );
+                }
+                let mut cmd = Command::new(relay);
+                cmd.arg("--listen").arg("127.0.0.1:0");
+                cmd
+            }
+        };
+        cmd.current_dir(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().context("spawning the server")?;
+        let pid = child.id();
+        let stderr = child.stderr.take().context("the server's stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        let mut log = tokio::fs::File::create(dir.join("server.log")).await?;
+        let find = async {
+            // Bounded: start-up logs a handful of lines.
+            for _ in 0..1000 {
+                let Some(line) = lines.next_line().await? else {
+                    break;
+                };
+                log.write_all(line.as_bytes()).await?;
+                log.write_all(b"\n").await?;
+                if let Some(addr) = listening_on(&line) {
+                    return Ok(addr);
+                }
+            }
+            Err(anyhow!("the server exited without saying where it listens"))
+        };
+        let addr = match tokio::time::timeout(START_TIMEOUT, find).await {
+            Ok(Ok(addr)) => addr,
+            Ok(Err(e)) => return Err(e.context(format!("see {}", dir.join("server.log").display()))),
+            Err(_) => bail!("the server did not start within {START_TIMEOUT:?}"),
+        };
+        // Keep draining its log so that it never blocks on stderr.
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if log.write_all(line.as_bytes()).await.is_err() {
+                    break;
+                }
+                let _ = log.write_all(b"\n").await;
+            }
+        });
+        Ok(Target {
+            server,
+            url: format!("ws://{addr}/v1/ws"),
+            pid,
+            external: false,
+            child: Some(child),
+            dir: Some(dir),
+        })
+    }
+
+    /// Kills a spawned server and removes its directory (set
+    /// `LINGER_BENCH_KEEP=1` to keep it, with its log).
+    pub async fn stop(mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+        }
+        if let Some(dir) = self.dir.take() {
+            if std::env::var_os("LINGER_BENCH_KEEP").is_some() {
+                eprintln!("kept {}", dir.display());
+            } else {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+}
+
+/// `conversations.replay_buffer_events` → `LINGER__CONVERSATIONS__REPLAY_BUFFER_EVENTS`.
+fn env_key(key: &str) -> String {
+    format!("LINGER__{}", key.replace('.', "__").to_uppercase())
+}
+
+/// The address in a `listening on ADDR` line (plain or JSON).
+fn listening_on(line: &str) -> Option<String> {
+    let rest = line.split_once("listening on ")?.1;
+    let addr: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+        .collect();
+    addr.parse::<std::net::SocketAddr>()
+        .ok()
+        .filter(|a| a.ip().is_loopback())
+        .map(|a| a.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_address() {
+        assert_eq!(
+            listening_on(r#"{"level":"INFO","message":"listening on 127.0.0.1:4321","target":"x"}"#),
+            Some("127.0.0.1:4321".into())
+        );
+        assert_eq!(listening_on("listening on 127.0.0.1:80"), Some("127.0.0.1:80".into()));
+        assert_eq!(listening_on("nothing"), None);
+        assert_eq!(
+            env_key("conversations.replay_buffer_events"),
+            "LINGER__CONVERSATIONS__REPLAY_BUFFER_EVENTS"
+        );
+    }
+}

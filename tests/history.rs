@@ -1,0 +1,276 @@
+//! Durable history (protocol §5.2, §5.4): replay from the store when the
+//! buffer does not hold the range, REST history, delete, rehydration of
+//! stopped conversations, retention, and workspaces.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_contiguous, is_event, kind, seq, TestServer};
+use serde_json::{json, Value};
+
+async fn post(server: &TestServer, path: &str, user: &str, body: Value) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .post(server.http_url(path))
+        .bearer_auth(user)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+async fn delete(server: &TestServer, path: &str, user: &str) -> u16 {
+    reqwest::Client::new()
+        .delete(server.http_url(path))
+        .bearer_auth(user)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+#[tokio::test]
+async fn a_small_buffer_replays_everything_from_the_store() {
+    let server = TestServer::start_with(|c| c.conversations.replay_buffer_events = 10).await;
+    let mut writer = server.connect("alice").await;
+    let id = writer.create().await;
+    writer.send_message(&id, "/stream 500 0").await;
+    let turn = writer.events_until_turn_finished(&id).await;
+    let head = seq(turn.last().unwrap());
+    assert!(head > 500);
+
+    let mut reader = server.connect("alice").await;
+    let attached = reader.attach(&id, 1).await;
+    assert_eq!(attached["replay_from"], 2);
+    assert_eq!(attached["replay_incomplete"], false);
+    assert_eq!(attached["head_seq"], head);
+    let replay = reader.events(&id, (head - 1) as usize).await;
+    assert_contiguous(&replay, 2);
+    let text: String = common::text_deltas(&replay)
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    assert_eq!(text, common::stream_text(500));
+}
+
+#[tokio::test]
+async fn rest_create_get_events_delete_and_observers() {
+    let server = TestServer::start().await;
+    let (status, created) = post(
+        &server,
+        "/v1/conversations",
+        "alice",
+        json!({"title": "via rest"}),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    assert_eq!(created["title"], "via rest");
+    assert_eq!(created["head_seq"], 2);
+    assert_eq!(created["status"], "idle");
+    let workspace = server.store_path().join("workspaces").join(&id);
+    assert!(
+        workspace.is_dir(),
+        "no workspace at {}",
+        workspace.display()
+    );
+
+    let events = server.stored_events(&id, "alice", 0).await;
+    assert_eq!(kind(&events[0]), "conversation_created");
+    assert_eq!(events[1]["data"]["reason"], "rest");
+
+    let (status, one) = server
+        .get(&format!("/v1/conversations/{id}"), Some("alice"))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(one["id"], id.as_str());
+    for user in ["bob"] {
+        let (status, _) = server
+            .get(&format!("/v1/conversations/{id}"), Some(user))
+            .await;
+        assert_eq!(status, 404);
+        assert_eq!(
+            delete(&server, &format!("/v1/conversations/{id}"), user).await,
+            404
+        );
+        let (status, _) = post(
+            &server,
+            &format!("/v1/conversations/{id}/observers"),
+            user,
+            json!({"user": "bob"}),
+        )
+        .await;
+        assert_eq!(status, 404);
+    }
+
+    // An observer granted through REST may watch, not steer.
+    let (status, _) = post(
+        &server,
+        &format!("/v1/conversations/{id}/observers"),
+        "alice",
+        json!({"user": "carol"}),
+    )
+    .await;
+    assert_eq!(status, 204);
+    let mut carol = server.connect("carol").await;
+    let refused = carol
+        .request(json!({"type": "attach", "conversation_id": id, "mode": "control"}))
+        .await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    carol.attach_with(&id, 0, "observe").await;
+    let (status, _) = server
+        .get(&format!("/v1/conversations/{id}"), Some("carol"))
+        .await;
+    assert_eq!(status, 200);
+
+    // Delete: 204, the attached observer is told, history and workspace go.
+    assert_eq!(
+        delete(&server, &format!("/v1/conversations/{id}"), "alice").await,
+        204
+    );
+    let (detached, _) = carol.recv_until(|f| f["type"] == "detached").await;
+    assert_eq!(detached["reason"], "deleted");
+    assert!(
+        !workspace.exists(),
+        "workspace still at {}",
+        workspace.display()
+    );
+    let (status, _) = server
+        .get(&format!("/v1/conversations/{id}"), Some("alice"))
+        .await;
+    assert_eq!(status, 404);
+    let (status, _) = server
+        .get(
+            &format!("/v1/conversations/{id}/events?after=0"),
+            Some("alice"),
+        )
+        .await;
+    assert_eq!(status, 404);
+    let mut alice = server.connect("alice").await;
+    let gone = alice
+        .request(json!({"type": "attach", "conversation_id": id}))
+        .await;
+    assert_eq!(gone["code"], "not_found", "{gone}");
+}
+
+#[tokio::test]
+async fn reading_events_never_activates() {
+    let server = TestServer::start().await;
+    let mut client = server.connect("alice").await;
+    let id = client.create().await;
+    let ack = client
+        .request(json!({"type": "close", "conversation_id": id}))
+        .await;
+    assert_eq!(ack["type"], "ack");
+    client.recv_until(|f| f["type"] == "detached").await;
+    let before = server.stored_events(&id, "alice", 0).await;
+    for _ in 0..3 {
+        let (status, summary) = server
+            .get(&format!("/v1/conversations/{id}"), Some("alice"))
+            .await;
+        assert_eq!(status, 200);
+        assert_eq!(summary["status"], "stopped");
+    }
+    let after = server.stored_events(&id, "alice", 0).await;
+    assert_eq!(before, after);
+}
+
+#[tokio::test]
+async fn a_stopped_conversation_keeps_its_queue_and_message_ids() {
+    let server = TestServer::start().await;
+    let mut client = server.connect("alice").await;
+    let id = client.create().await;
+    let first = client
+        .request(json!({"type": "message", "conversation_id": id, "text": "/sleep 30s", "client_msg_id": "m-1"}))
+        .await;
+    assert_eq!(first["duplicate"], false);
+    client.next_event(&id).await; // user_message
+    client.next_event(&id).await; // turn_started
+    let queued = client
+        .request(json!({"type": "message", "conversation_id": id, "text": "after the close", "client_msg_id": "m-2"}))
+        .await;
+    let queued_seq = queued["seq"].as_u64().unwrap();
+    client
+        .request(json!({"type": "close", "conversation_id": id}))
+        .await;
+    let closing = client.events_until_kind(&id, "agent_stopped").await;
+    assert_eq!(closing.last().unwrap()["data"]["reason"], "closed");
+    client.recv_until(|f| f["type"] == "detached").await;
+
+    // Back again: the queued message runs, and ids are still known.
+    let attached = client.attach(&id, seq(closing.last().unwrap())).await;
+    let from = attached["replay_from"].as_u64().unwrap();
+    let events = client.events_until_turn_finished(&id).await;
+    assert_contiguous(&events, from);
+    assert_eq!(events[0]["data"]["reason"], "attach");
+    let started = events.iter().find(|e| is_event(e, "turn_started")).unwrap();
+    assert_eq!(started["data"]["message_seq"], queued_seq);
+    assert_eq!(events.last().unwrap()["data"]["status"], "completed");
+    let again = client
+        .request(json!({"type": "message", "conversation_id": id, "text": "/sleep 30s", "client_msg_id": "m-1"}))
+        .await;
+    assert_eq!(again["duplicate"], true);
+    assert_eq!(again["seq"], first["seq"]);
+}
+
+#[tokio::test]
+async fn retention_makes_old_replays_incomplete() {
+    let server = TestServer::start_with(|c| c.store.retain = Duration::from_secs(1)).await;
+    let mut client = server.connect("alice").await;
+    let id = client.create().await;
+    client.send_message(&id, "hello").await;
+    client.events_until_turn_finished(&id).await;
+    client
+        .request(json!({"type": "close", "conversation_id": id}))
+        .await;
+    let closing = client.events_until_kind(&id, "agent_stopped").await;
+    let head = seq(closing.last().unwrap());
+    client.recv_until(|f| f["type"] == "detached").await;
+    server
+        .wait_for_stored(&id, "alice", "the history pruned", |e| e.is_empty())
+        .await;
+    let attached = client.attach(&id, 0).await;
+    assert_eq!(attached["replay_incomplete"], true, "{attached}");
+    assert_eq!(attached["replay_from"], head + 1);
+    let next = client.next_event(&id).await;
+    assert_eq!(seq(&next), head + 1, "seq continues after pruning");
+    assert_eq!(kind(&next), "agent_started");
+}
+
+#[tokio::test]
+async fn workspaces_survive_stop_and_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = || {
+        let mut config = linger::config::Config::default();
+        config.server.listen = "127.0.0.1:0".parse().unwrap();
+        config.store.path = dir.path().to_path_buf();
+        linger::server::Server::start(config)
+    };
+    let server = start().await.unwrap();
+    let mut client =
+        common::Client::connect(&format!("ws://{}/v1/ws?token=alice", server.addr), "alice").await;
+    let id = client.create().await;
+    let workspace = dir.path().join("workspaces").join(&id);
+    std::fs::write(workspace.join("notes.txt"), "kept").unwrap();
+    client
+        .request(json!({"type": "close", "conversation_id": id}))
+        .await;
+    client.recv_until(|f| f["type"] == "detached").await;
+    server.shutdown().await;
+    let server = start().await.unwrap();
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("notes.txt")).unwrap(),
+        "kept"
+    );
+    let mut client =
+        common::Client::connect(&format!("ws://{}/v1/ws?token=alice", server.addr), "alice").await;
+    client.attach(&id, 0).await;
+    server.shutdown().await;
+}

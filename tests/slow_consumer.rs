@@ -1,0 +1,134 @@
+//! Protocol §5.6: a client that stops reading during a long turn slows
+//! neither the agent nor another client of the same conversation, the
+//! server's memory stays bounded, and the slow client is then either caught
+//! up from the log (every event, contiguous) or closed with 4008.
+//!
+//! The server is the real binary in its own process, so that its peak
+//! memory (`VmHWM` in `/proc/PID/status`) is its own, not the test's.
+
+mod common;
+
+use serde_json::{json, Value};
+
+use common::process::{temp_store, ServerProcess};
+use common::*;
+
+/// Events in the turn.
+const EVENTS: u64 = 100_000;
+
+/// `VmHWM` (peak resident set) and `VmRSS` of a process, in KiB.
+fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+/// Reads events of `id` until the next `turn_finished`, checking on the fly
+/// that their seqs go on from `next` (no gap, no duplicate), without keeping
+/// them. Returns the seq after the last one, the number of `text_delta`s,
+/// their total JSON size, and the `turn_finished` event.
+async fn read_turn(client: &mut Client, id: &str, mut next: u64) -> (u64, u64, usize, Value) {
+    let mut deltas = 0;
+    let mut bytes = 0;
+    loop {
+        let event = client.next_event(id).await;
+        assert_eq!(seq(&event), next, "{}: gap or duplicate: {event}", client.user);
+        next += 1;
+        bytes += event.to_string().len();
+        match kind(&event) {
+            "text_delta" => deltas += 1,
+            "turn_finished" => return (next, deltas, bytes, event),
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
+    let (_dir, store) = temp_store();
+    let server = ServerProcess::spawn(&store, "[limits]\nmax_outbound_frames = 64\n");
+    let url = server.ws_url("alice");
+    // The slow client has a small socket buffer, so the server's writes to
+    // it block soon after it stops reading.
+    let mut slow = Client::connect_small_buffer(&url, "alice", 4096).await;
+    let id = slow.create().await;
+    let mut fast = server.connect("alice").await;
+    let attached = fast.attach(&id, 0).await;
+    assert_eq!(attached["replay_from"], 1, "{attached}");
+    let opening = fast.events(&id, 2).await;
+    assert_contiguous(&opening, 1);
+
+    let (peak_before, rss_before) = memory_kib(server.pid);
+    // From here on the slow client reads nothing until the turn is over.
+    let ack = fast.send_message(&id, &format!("/stream {EVENTS} 0")).await;
+    let message_seq = seq(&ack);
+    assert_eq!(message_seq, 3, "{ack}");
+    let (after_turn, deltas, bytes, finished) = read_turn(&mut fast, &id, 3).await;
+    assert_eq!(deltas, EVENTS, "the reading client missed deltas");
+    assert_eq!(finished["data"]["status"], "completed", "{finished}");
+    let (peak_after, rss_after) = memory_kib(server.pid);
+    let growth = peak_after.saturating_sub(peak_before);
+    println!(
+        "slow consumer: server VmHWM {peak_before} KiB -> {peak_after} KiB (+{growth} KiB), \
+         VmRSS {rss_before} KiB -> {rss_after} KiB; the turn's {} events are {} KiB of JSON",
+        after_turn - 3,
+        bytes / 1024
+    );
+    // Had the server queued the slow client's frames, its peak would have
+    // grown by at least the frames' size; it holds at most
+    // `max_outbound_frames` of them.
+    assert!(
+        (growth as usize) * 1024 < bytes / 2,
+        "the server's peak memory grew by {growth} KiB during a turn of {} KiB of events",
+        bytes / 1024
+    );
+
+    // The slow client now reads: either everything, contiguous, or a 4008.
+    let mut next = 1;
+    let mut outcome = None;
+    while next < after_turn {
+        match slow.recv_or_close().await {
+            Ok(frame) if frame["type"] == "event" && frame["conversation_id"] == id => {
+                assert_eq!(seq(&frame), next, "the slow client: gap or duplicate: {frame}");
+                next += 1;
+            }
+            Ok(frame) => assert!(
+                frame["type"] != "error",
+                "the slow client got an error: {frame}"
+            ),
+            Err(code) => {
+                outcome = Some(code);
+                break;
+            }
+        }
+    }
+    match outcome {
+        None => {
+            println!("slow consumer: caught up, {} events contiguous", next - 1);
+            // Caught up, it is live again: the next turn reaches both.
+            fast.send_message(&id, "/stream 3 0").await;
+            let (end_fast, _, _, _) = read_turn(&mut fast, &id, after_turn).await;
+            let (end_slow, _, _, _) = read_turn(&mut slow, &id, after_turn).await;
+            assert_eq!(end_fast, end_slow);
+        }
+        Some(code) => {
+            println!("slow consumer: closed with {code:?} after {} events", next - 1);
+            assert_eq!(code, Some(4008), "a lagging client is closed with 4008 only");
+            // Its conversation carried on: a new connection resumes exactly.
+            let mut again = server.connect("alice").await;
+            let attached = again.attach(&id, next - 1).await;
+            assert_eq!(attached["replay_from"], next, "{attached}");
+            let (end, _, _, _) = read_turn(&mut again, &id, next).await;
+            assert_eq!(end, after_turn);
+        }
+    }
+    let _ = json!({});
+}
