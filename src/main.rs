@@ -10,6 +10,7 @@ use linger::config::{Config, LogFormat};
 use linger::server::Server;
 use tracing_subscriber::EnvFilter;
 
+mod bench;
 mod cli;
 
 #[derive(Parser)]
@@ -39,6 +40,9 @@ enum Command {
     Send(cli::send::Args),
     /// Follow a conversation in the terminal and chat; Ctrl-D detaches.
     Attach(cli::attach::Args),
+    /// Drive a server with load over loopback websockets and report
+    /// throughput, latency, CPU and memory (see BENCHMARKS.md).
+    Bench(bench::BenchArgs),
 }
 
 fn init_logging(format: LogFormat) {
@@ -94,6 +98,7 @@ fn client(result: anyhow::Result<()>) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config_path = match cli.command {
+        Some(Command::Bench(args)) => return bench::run(args).await,
         Some(Command::Serve { config }) => config,
         Some(Command::New(args)) => return client(cli::new::run(args).await),
         Some(Command::Ls(args)) => return client(cli::ls::run(args).await),

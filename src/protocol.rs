@@ -22,6 +22,15 @@ pub enum Mode {
     Observe,
 }
 
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Control => "control",
+            Mode::Observe => "observe",
+        }
+    }
+}
+
 /// A parsed, validated client frame.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -336,6 +345,20 @@ pub const MAX_ID_BYTES: usize = 128;
 /// Longest accepted message text, in bytes.
 pub const MAX_TEXT_BYTES: usize = 256 * 1024;
 
+/// Deepest accepted nesting of a tool result's `output`: recorded inside an
+/// event, it must stay readable by JSON parsers with a recursion limit.
+pub const MAX_OUTPUT_DEPTH: usize = 64;
+
+/// How deeply a JSON value nests (a scalar is 0). The parser already refused
+/// anything deeper than its own limit, so the recursion is bounded.
+fn depth(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        Value::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// Checks the sizes a parsed frame may carry; the error names the field.
 pub fn check_limits(frame: &ClientFrame) -> Result<(), String> {
     let id = |name: &str, value: &str| {
@@ -385,10 +408,17 @@ pub fn check_limits(frame: &ClientFrame) -> Result<(), String> {
         ClientFrame::ToolResult {
             conversation_id,
             call_id,
+            output,
             ..
         } => {
             id("conversation_id", conversation_id)?;
-            id("call_id", call_id)
+            id("call_id", call_id)?;
+            if depth(output) > MAX_OUTPUT_DEPTH {
+                return Err(format!(
+                    "output is nested deeper than {MAX_OUTPUT_DEPTH} levels"
+                ));
+            }
+            Ok(())
         }
         ClientFrame::Ping { .. } => Ok(()),
     }

@@ -6,12 +6,13 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::agent::command::CommandAgent;
@@ -143,6 +144,14 @@ impl Server {
         });
         let stop = accept_stop.clone();
         let http = tokio::spawn(async move {
+            // Events are small frames written one by one: without
+            // TCP_NODELAY, Nagle holds each write behind the client's
+            // delayed ACK (up to 40 ms on Linux).
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    debug!(error = %e, "cannot set TCP_NODELAY");
+                }
+            });
             let served = axum::serve(listener, app)
                 .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await;

@@ -401,6 +401,13 @@ async fn jwt_mode_checks_signature_algorithm_expiry_and_subject() {
             format!("{}.{payload}.{}", parts[0], parts[2])
         }),
         ("no exp", jwt(&secret, json!({"sub": "alice"}))),
+        (
+            "an audience (linger has none to match)",
+            jwt(
+                &secret,
+                json!({"sub": "alice", "exp": now() + 3600, "aud": "another-service"}),
+            ),
+        ),
         ("no sub", jwt(&secret, json!({"exp": now() + 3600}))),
         (
             "empty sub",
@@ -708,6 +715,59 @@ async fn observers_granted_through_rest_only_observe() {
     server.shutdown().await;
 }
 
+/// An observer may read, not steer: bringing back a stopped conversation
+/// must not stop the owner's other conversations (the per-user limit evicts
+/// one of the owner's, and a running turn would end `stopped`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_cannot_stop_the_owners_conversations_through_the_user_limit() {
+    let server = TestServer::start_with(|c| c.conversations.max_per_user = 2).await;
+    let mut alice = server.connect("alice").await;
+    let shared = alice.create().await;
+    let (status, _) = server
+        .call(
+            "POST",
+            &format!("/v1/conversations/{shared}/observers"),
+            Some("alice"),
+            Some(json!({"user": "bob"})),
+        )
+        .await;
+    assert_eq!(status, 204);
+    let ack = alice
+        .request(json!({"type": "close", "conversation_id": shared}))
+        .await;
+    assert_eq!(ack["type"], "ack", "{ack}");
+    alice.recv_until(|f| f["type"] == "detached").await;
+    // Alice is at her limit with two running, attached turns.
+    let mut busy = Vec::new();
+    for _ in 0..2 {
+        let id = alice.create().await;
+        alice.send_message(&id, "/sleep 10m").await;
+        alice.events_until_kind(&id, "turn_started").await;
+        busy.push(id);
+    }
+    let mut bob = server.connect("bob").await;
+    let reply = bob
+        .request(json!({"type": "attach", "conversation_id": shared, "mode": "observe"}))
+        .await;
+    // Whatever bob gets (attached, or refused), alice's turns run on.
+    for id in &busy {
+        let (status, summary) = server
+            .call(
+                "GET",
+                &format!("/v1/conversations/{id}"),
+                Some("alice"),
+                None,
+            )
+            .await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            summary["status"], "running",
+            "bob's observe attach ({reply}) stopped alice's {id}: {summary}"
+        );
+    }
+    server.shutdown().await;
+}
+
 // ---------------------------------------------------------------- origins
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -979,6 +1039,55 @@ async fn over_long_fields_get_bad_request() {
             .await;
         assert_eq!(status, 400, "{reply}");
     }
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rest_event_pages_are_bounded_in_bytes() {
+    let server = TestServer::start().await;
+    let mut c = server.connect("alice").await;
+    let id = c.create().await;
+    // Eight messages of one 250 kB word: each is recorded three times (the
+    // message, the echoed delta, the reply), about 6 MB in all.
+    let word = "w".repeat(250_000);
+    let mut head = 2;
+    for _ in 0..8 {
+        c.send_message(&id, &word).await;
+        let turn = c.events_until_turn_finished(&id).await;
+        head = seq(turn.last().unwrap());
+    }
+    let path = format!("/v1/conversations/{id}/events?after=0&limit=10000");
+    let (status, page) = server.call("GET", &path, Some("alice"), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(page["head_seq"], head, "{}", page["head_seq"]);
+    let first = page["events"].as_array().unwrap();
+    let last = seq(first.last().unwrap());
+    assert!(
+        last < head,
+        "one page held all {head} events ({} bytes)",
+        page.to_string().len()
+    );
+    assert!(page.to_string().len() <= 5 * 1024 * 1024);
+    assert_contiguous(first, 1);
+    // Paging on with `after` gets the rest, contiguous; a page holds at
+    // least one event however large.
+    let all = server.stored_events(&id, "alice", 0).await;
+    assert_contiguous(&all, 1);
+    assert_eq!(seq(all.last().unwrap()), head);
+    let (_, one) = server
+        .call(
+            "GET",
+            &format!("/v1/conversations/{id}/events?after=3&limit=1"),
+            Some("alice"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        one["events"].as_array().unwrap().len(),
+        1,
+        "{}",
+        one["head_seq"]
+    );
     server.shutdown().await;
 }
 

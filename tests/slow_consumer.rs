@@ -40,7 +40,12 @@ async fn read_turn(client: &mut Client, id: &str, mut next: u64) -> (u64, u64, u
     let mut bytes = 0;
     loop {
         let event = client.next_event(id).await;
-        assert_eq!(seq(&event), next, "{}: gap or duplicate: {event}", client.user);
+        assert_eq!(
+            seq(&event),
+            next,
+            "{}: gap or duplicate: {event}",
+            client.user
+        );
         next += 1;
         bytes += event.to_string().len();
         match kind(&event) {
@@ -66,38 +71,51 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
     let opening = fast.events(&id, 2).await;
     assert_contiguous(&opening, 1);
 
+    // A first turn with both clients reading brings the server to its
+    // working size (store caches, allocator): the baseline.
+    fast.send_message(&id, &format!("/stream {EVENTS} 0")).await;
+    let (warm, deltas, _, _) = read_turn(&mut fast, &id, 3).await;
+    assert_eq!(deltas, EVENTS);
+    let (caught, _, _, _) = read_turn(&mut slow, &id, 1).await;
+    assert_eq!(caught, warm);
     let (peak_before, rss_before) = memory_kib(server.pid);
+
     // From here on the slow client reads nothing until the turn is over.
     let ack = fast.send_message(&id, &format!("/stream {EVENTS} 0")).await;
-    let message_seq = seq(&ack);
-    assert_eq!(message_seq, 3, "{ack}");
-    let (after_turn, deltas, bytes, finished) = read_turn(&mut fast, &id, 3).await;
+    assert_eq!(seq(&ack), warm, "{ack}");
+    let (after_turn, deltas, bytes, finished) = read_turn(&mut fast, &id, warm).await;
     assert_eq!(deltas, EVENTS, "the reading client missed deltas");
     assert_eq!(finished["data"]["status"], "completed", "{finished}");
     let (peak_after, rss_after) = memory_kib(server.pid);
     let growth = peak_after.saturating_sub(peak_before);
     println!(
         "slow consumer: server VmHWM {peak_before} KiB -> {peak_after} KiB (+{growth} KiB), \
-         VmRSS {rss_before} KiB -> {rss_after} KiB; the turn's {} events are {} KiB of JSON",
-        after_turn - 3,
+         VmRSS {rss_before} KiB -> {rss_after} KiB, while one client read nothing of a turn of \
+         {} events ({} KiB of JSON)",
+        after_turn - warm,
         bytes / 1024
     );
     // Had the server queued the slow client's frames, its peak would have
-    // grown by at least the frames' size; it holds at most
-    // `max_outbound_frames` of them.
+    // grown by more than their size; it holds at most
+    // `max_outbound_frames` of them (and the replay's page).
     assert!(
-        (growth as usize) * 1024 < bytes / 2,
-        "the server's peak memory grew by {growth} KiB during a turn of {} KiB of events",
+        (growth as usize) * 1024 < bytes / 4,
+        "the server's peak memory grew by {growth} KiB while a client read nothing of {} KiB \
+         of events",
         bytes / 1024
     );
 
     // The slow client now reads: either everything, contiguous, or a 4008.
-    let mut next = 1;
+    let mut next = caught;
     let mut outcome = None;
     while next < after_turn {
         match slow.recv_or_close().await {
             Ok(frame) if frame["type"] == "event" && frame["conversation_id"] == id => {
-                assert_eq!(seq(&frame), next, "the slow client: gap or duplicate: {frame}");
+                assert_eq!(
+                    seq(&frame),
+                    next,
+                    "the slow client: gap or duplicate: {frame}"
+                );
                 next += 1;
             }
             Ok(frame) => assert!(
@@ -112,7 +130,10 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
     }
     match outcome {
         None => {
-            println!("slow consumer: caught up, {} events contiguous", next - 1);
+            println!(
+                "slow consumer: caught up, {} events contiguous",
+                next - caught
+            );
             // Caught up, it is live again: the next turn reaches both.
             fast.send_message(&id, "/stream 3 0").await;
             let (end_fast, _, _, _) = read_turn(&mut fast, &id, after_turn).await;
@@ -120,8 +141,15 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
             assert_eq!(end_fast, end_slow);
         }
         Some(code) => {
-            println!("slow consumer: closed with {code:?} after {} events", next - 1);
-            assert_eq!(code, Some(4008), "a lagging client is closed with 4008 only");
+            println!(
+                "slow consumer: closed with {code:?} after {} events",
+                next - caught
+            );
+            assert_eq!(
+                code,
+                Some(4008),
+                "a lagging client is closed with 4008 only"
+            );
             // Its conversation carried on: a new connection resumes exactly.
             let mut again = server.connect("alice").await;
             let attached = again.attach(&id, next - 1).await;
@@ -130,5 +158,61 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
             assert_eq!(end, after_turn);
         }
     }
+}
+
+/// A client that reads nothing for `SLOW_CONSUMER_PATIENCE` (30 s) while
+/// frames wait for it is closed with 4008, and that close reaches it when it
+/// reads again; the conversation and its other client carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_nothing_for_30s_is_closed_with_4008() {
+    let (_dir, store) = temp_store();
+    let mut server = ServerProcess::spawn(&store, "[limits]\nmax_outbound_frames = 16\n");
+    let url = server.ws_url("alice");
+    let mut slow = Client::connect_small_buffer(&url, "alice", 4096).await;
+    let id = slow.create().await;
+    let mut fast = server.connect("alice").await;
+    fast.attach(&id, 0).await;
+    fast.events(&id, 2).await;
+    // 20,000 events (about 4 MB) fill the slow client's socket buffers and
+    // queue many times over.
+    fast.send_message(&id, "/stream 20000 0").await;
+    let (after_turn, _, _, _) = read_turn(&mut fast, &id, 3).await;
+    // The server gives up on the slow client after 30 s without progress:
+    // wait for it to say so (no client reads meanwhile).
+    let line = server.wait_for_log_within(std::time::Duration::from_secs(90), |l| {
+        l.contains("connection closed")
+    });
+    println!("{line}");
+    let mut next = 1;
+    let code = loop {
+        match slow.recv_or_close().await {
+            Ok(frame) if frame["type"] == "event" => {
+                assert_eq!(
+                    seq(&frame),
+                    next,
+                    "gap or duplicate before the close: {frame}"
+                );
+                next += 1;
+            }
+            Ok(_) => {}
+            Err(code) => break code,
+        }
+    };
+    println!("the slow client read {} events, then {code:?}", next - 1);
+    assert!(next < after_turn, "the slow client was not behind");
+    assert_eq!(
+        code,
+        Some(4008),
+        "closed without the slow-consumer close code"
+    );
+    // The other client and the conversation are fine.
+    fast.send_message(&id, "/stream 3 0").await;
+    let (end, deltas, _, _) = read_turn(&mut fast, &id, after_turn).await;
+    assert_eq!(deltas, 3);
+    let mut again = server.connect("alice").await;
+    let attached = again.attach(&id, next - 1).await;
+    assert_eq!(attached["replay_from"], next, "{attached}");
+    let resumed = again.events(&id, (end - next) as usize).await;
+    assert_contiguous(&resumed, next);
     let _ = json!({});
 }

@@ -108,6 +108,8 @@ function onFrame(f) {
         if (f.kind === 'agent_stopped' && f.data && f.data.reason === 'deleted') {
           o.gone = 'This conversation was deleted.';
         }
+        // A stop or a start here often goes with one elsewhere (user limit).
+        if (f.kind === 'agent_stopped' || f.kind === 'agent_started') refreshSoon();
         scheduleSave();
         renderHead();
       }
@@ -123,8 +125,8 @@ function onFrame(f) {
       o.problem = null;
       o.transcript.gap(f.replay_from);
       if (f.replay_from > o.transcript.lastSeq + 1) o.transcript.lastSeq = f.replay_from - 1;
+      o.detachReason = null;
       o.transcript.status = f.status;
-      o.pendingCalls = new Set(f.pending_calls || []);
       flushOutbox();
       renderHead();
       break;
@@ -359,7 +361,6 @@ function openConversation(id, mode) {
     gone: null,
     problem: null,
     detachReason: null,
-    pendingCalls: new Set(),
     summary: state.list.find((s) => s.id === id) || null,
   };
   state.open = o;
@@ -457,13 +458,17 @@ function renderTool(item) {
   const o = state.open;
   const card = h('div', 'tool');
   card.dataset.call = item.call_id;
-  card.dataset.state = item.answered ? 'answered' : 'pending';
+  card.dataset.state = item.answered ? 'answered' : item.expired ? 'expired' : 'pending';
   const head = h('div', 'tool-head', `Tool call: ${item.name}`);
   head.append(h('span', 'mono', item.call_id));
   card.append(head);
   card.append(h('pre', 'mono', json(item.args)));
   if (item.answered) {
     card.append(h('div', 'tool-output', `${item.is_error ? 'error' : 'result'}: ${JSON.stringify(item.output)}`));
+    return card;
+  }
+  if (item.expired) {
+    card.append(h('div', 'tool-output', 'not answered: the turn ended'));
     return card;
   }
   if (item.target !== 'client') {
@@ -559,11 +564,14 @@ function renderHead() {
   $('close').disabled = !(o.attached && status !== 'stopped');
   const banner = $('banner');
   const text = bannerText(o);
+  // The banner takes room from the transcript: keep its end in view.
+  const stick = nearBottom();
   banner.hidden = !text;
   if (text) {
     banner.dataset.kind = text[0];
     banner.textContent = text[1];
   }
+  scrollDown(stick);
   // The list shows the open conversation's live status: redraw it when
   // that changes, not on every streamed word.
   const listKey = `${o.id}:${status}`;
@@ -598,6 +606,15 @@ function renderList() {
   if (state.list.length === 0 && !state.listError) {
     ul.append(h('li', 'c-meta', api.getToken() ? 'No conversations yet.' : 'Enter your token above.'));
   }
+}
+
+let refreshTimer = null;
+function refreshSoon() {
+  if (refreshTimer) return;
+  refreshTimer = setTimeout(() => {
+    refreshTimer = null;
+    refreshList();
+  }, 300);
 }
 
 async function refreshList() {

@@ -46,6 +46,8 @@ export class Transcript {
     this.title = '';
     this.status = null;
     this.stopReason = null;
+    // Seen agent_stopped and no agent_started since (from events only).
+    this.wasStopped = false;
     // { add(item), update(item), remove(item), reset() }; set by the page.
     this.view = null;
   }
@@ -62,6 +64,7 @@ export class Transcript {
       t.title = data.title || '';
       t.status = data.status || null;
       t.stopReason = data.stopReason || null;
+      t.wasStopped = !!data.wasStopped;
     } catch {
       return new Transcript(id);
     }
@@ -80,6 +83,7 @@ export class Transcript {
       title: this.title,
       status: this.status,
       stopReason: this.stopReason,
+      wasStopped: this.wasStopped,
     });
     try {
       if (data.length > MAX_CACHE_CHARS) localStorage.removeItem(key);
@@ -134,7 +138,7 @@ export class Transcript {
   }
 
   pendingCalls() {
-    return this.items.filter((i) => i.k === 'tool' && i.target === 'client' && !i.answered);
+    return this.items.filter((i) => i.k === 'tool' && i.target === 'client' && !i.answered && !i.expired);
   }
 
   // Applies one event; returns false for one already applied.
@@ -147,7 +151,8 @@ export class Transcript {
         this.title = d.title || '';
         break;
       case 'agent_started':
-        if (this.status === 'stopped') this.note(`n${ev.seq}`, 'Resumed.');
+        if (this.wasStopped) this.note(`n${ev.seq}`, 'Resumed.');
+        this.wasStopped = false;
         this.status = 'idle';
         this.stopReason = null;
         break;
@@ -209,8 +214,13 @@ export class Transcript {
       case 'turn_finished': {
         this.status = 'idle';
         for (const i of this.items) {
-          if (i.k === 'text' && i.turn === d.turn_id && !i.final) {
+          if (i.turn !== d.turn_id) continue;
+          if (i.k === 'text' && !i.final) {
             i.final = true;
+            this.update(i);
+          } else if (i.k === 'tool' && !i.answered && !i.expired) {
+            // Its turn is over: the call can no longer be answered.
+            i.expired = true;
             this.update(i);
           }
         }
@@ -223,6 +233,7 @@ export class Transcript {
       }
       case 'agent_stopped':
         this.status = 'stopped';
+        this.wasStopped = true;
         this.stopReason = d.reason || null;
         this.note(`n${ev.seq}`, `Stopped: ${stopWords(d.reason)}.`);
         break;

@@ -25,7 +25,7 @@ use crate::store::Store;
 pub const SLOW_CONSUMER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Events read from the store per page while replaying.
-const REPLAY_PAGE: usize = 1000;
+const REPLAY_PAGE: usize = 128;
 
 /// One replay: sends `attached` (if any), then the events `from..=to` from
 /// the buffer snapshot or the store, at the pace the socket drains, then

@@ -101,7 +101,16 @@ pub enum SupervisorMsg {
     Shutdown {
         reply: RpcReplyPort<()>,
     },
+    /// Refreshes the gauges of active conversations (sent to itself every
+    /// [`METRICS_EVERY`]).
+    PublishMetrics,
 }
+
+/// How often the supervisor refreshes the active-conversation gauges: at
+/// most this often after its messages, and at least this often by a timer.
+/// Reading every conversation's gauge is O(active conversations), so doing
+/// it after every message made a storm of N reconnects O(N²).
+pub const METRICS_EVERY: Duration = Duration::from_millis(1000);
 
 pub struct SupervisorArgs {
     pub config: Arc<Config>,
@@ -138,6 +147,8 @@ pub struct State {
     after_stop: HashMap<Arc<str>, Vec<Waiter>>,
     stop_waiters: HashMap<Arc<str>, Vec<RpcReplyPort<()>>>,
     shutdown: Option<Vec<RpcReplyPort<()>>>,
+    /// When the gauges were last published.
+    metrics_published: Option<Instant>,
 }
 
 impl Actor for Supervisor {
@@ -147,10 +158,11 @@ impl Actor for Supervisor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<SupervisorMsg>,
+        myself: ActorRef<SupervisorMsg>,
         args: SupervisorArgs,
     ) -> Result<State, ActorProcessingErr> {
         info!("supervisor started");
+        myself.send_interval(METRICS_EVERY, || SupervisorMsg::PublishMetrics);
         Ok(State {
             config: args.config,
             store: args.store,
@@ -161,6 +173,7 @@ impl Actor for Supervisor {
             after_stop: HashMap::new(),
             stop_waiters: HashMap::new(),
             shutdown: None,
+            metrics_published: None,
         })
     }
 
@@ -248,6 +261,7 @@ impl Actor for Supervisor {
                 }
                 state.maybe_finish_shutdown();
             }
+            SupervisorMsg::PublishMetrics => {}
         }
         state.publish_metrics();
         Ok(())
@@ -264,7 +278,7 @@ impl Actor for Supervisor {
             SupervisionEvent::ActorStarted(cell) => {
                 if let Some(id) = state.by_actor.get(&cell.get_id()) {
                     let user = state.active.get(id).map(|e| e.user.clone());
-                    info!(conversation = %id, user = user.as_deref().unwrap_or(""),
+                    info!(conversation = %id, user = %user.as_deref().unwrap_or(""),
                         actor = %cell.get_id(), "conversation actor started");
                 }
             }
@@ -440,7 +454,19 @@ impl State {
         if allowed.is_empty() {
             return;
         }
-        if let Err(e) = self.make_room(&owner, Some(&id)) {
+        let room = if allowed.iter().any(|w| *w.user == *owner) {
+            self.make_room(&owner, Some(&id))
+        } else {
+            // Observers only read: they never stop one of the owner's
+            // conversations to make room.
+            let max = self.config.conversations.max_per_user;
+            if max > 0 && self.active_count(&owner) >= max {
+                Err(ActivateError::LimitReached { max })
+            } else {
+                Ok(())
+            }
+        };
+        if let Err(e) = room {
             for w in allowed {
                 let _ = w.reply.send(Err(e.clone()));
             }
@@ -544,7 +570,7 @@ impl State {
             Some(err) => error!(conversation = %id, user = %user, actor = %actor, error = %err,
                 lived = %lived, "conversation actor failed"),
             None => info!(conversation = %id, user = %user, actor = %actor,
-                reason = reason.as_deref().unwrap_or("none"), lived = %lived,
+                reason = %reason.as_deref().unwrap_or("none"), lived = %lived,
                 "conversation actor stopped"),
         }
         for reply in self.stop_waiters.remove(&id).unwrap_or_default() {
@@ -568,7 +594,15 @@ impl State {
         }
     }
 
-    fn publish_metrics(&self) {
+    fn publish_metrics(&mut self) {
+        let now = Instant::now();
+        if self
+            .metrics_published
+            .is_some_and(|at| now.duration_since(at) < METRICS_EVERY / 4)
+        {
+            return;
+        }
+        self.metrics_published = Some(now);
         let mut counts: HashMap<Status, usize> = HashMap::new();
         let mut attached = 0;
         for entry in self.active.values() {

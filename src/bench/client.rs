@@ -41,8 +41,6 @@ pub struct Frame<'a> {
     pub conversation_id: Option<Cow<'a, str>>,
     pub head_seq: Option<u64>,
     pub replay_from: Option<u64>,
-    #[serde(borrow)]
-    pub code: Option<Cow<'a, str>>,
 }
 
 impl Frame<'_> {
@@ -59,7 +57,9 @@ impl Frame<'_> {
     /// so this reads up to 1 ms high.
     pub fn latency_us(&self) -> Option<u64> {
         let ts = humantime::parse_rfc3339(self.ts.as_deref()?).ok()?;
-        let d = SystemTime::now().duration_since(ts).unwrap_or(Duration::ZERO);
+        let d = SystemTime::now()
+            .duration_since(ts)
+            .unwrap_or(Duration::ZERO);
         Some(d.as_micros() as u64)
     }
 }
@@ -223,7 +223,10 @@ impl Latencies {
     }
 
     pub fn snapshot(&self) -> Histogram<u64> {
-        self.shared.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.shared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 

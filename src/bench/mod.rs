@@ -166,7 +166,7 @@ where
 fn raise_fd_limit() {
     match rlimit::increase_nofile_limit(u64::MAX) {
         Ok(n) => {
-            if n < 22_000 {
+            if n < 10_200 {
                 eprintln!(
                     "note: open files limited to {n}; 10,000 connections need about 10,100 \
                      per process (raise with `ulimit -n 65536` as root)"
@@ -197,8 +197,7 @@ pub(crate) fn ms(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
 
 /// A new histogram of microseconds, 1 µs to 10 min, 3 significant digits.
 pub(crate) fn histogram() -> hdrhistogram::Histogram<u64> {
-    hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3)
-        .expect("valid histogram bounds")
+    hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
 }
 
 /// Waits for all tasks, at most `within`; aborts the rest and counts them.

@@ -92,11 +92,8 @@ impl Report {
         linger
             .iter()
             .map(|measure| {
-                let relay = relay.and_then(|r| {
-                    r.iter()
-                        .find(|m| m.name == measure.name)
-                        .map(|m| m.value)
-                });
+                let relay =
+                    relay.and_then(|r| r.iter().find(|m| m.name == measure.name).map(|m| m.value));
                 let ratio = relay.filter(|r| *r != 0.0).map(|r| measure.value / r);
                 let met = measure.aim.and_then(|a| a.met(measure.value, ratio));
                 Row {
@@ -114,8 +111,8 @@ impl Report {
         let _ = writeln!(out, "\n{}  {}", self.scenario, self.params);
         let _ = writeln!(
             out,
-            "  {:<34} {:>12} {:>12} {:>8}  {:<18} {}",
-            "figure", "linger", "relay", "ratio", "aim", ""
+            "  {:<34} {:>12} {:>12} {:>8}  aim",
+            "figure", "linger", "relay", "ratio"
         );
         for row in self.rows() {
             let m = row.measure;

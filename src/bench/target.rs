@@ -165,7 +165,9 @@ impl Target {
         };
         let addr = match tokio::time::timeout(START_TIMEOUT, find).await {
             Ok(Ok(addr)) => addr,
-            Ok(Err(e)) => return Err(e.context(format!("see {}", dir.join("server.log").display()))),
+            Ok(Err(e)) => {
+                return Err(e.context(format!("see {}", dir.join("server.log").display())))
+            }
             Err(_) => bail!("the server did not start within {START_TIMEOUT:?}"),
         };
         // Keep draining its log so that it never blocks on stderr.
@@ -229,10 +231,15 @@ mod tests {
     #[test]
     fn finds_the_address() {
         assert_eq!(
-            listening_on(r#"{"level":"INFO","message":"listening on 127.0.0.1:4321","target":"x"}"#),
+            listening_on(
+                r#"{"level":"INFO","message":"listening on 127.0.0.1:4321","target":"x"}"#
+            ),
             Some("127.0.0.1:4321".into())
         );
-        assert_eq!(listening_on("listening on 127.0.0.1:80"), Some("127.0.0.1:80".into()));
+        assert_eq!(
+            listening_on("listening on 127.0.0.1:80"),
+            Some("127.0.0.1:80".into())
+        );
         assert_eq!(listening_on("nothing"), None);
         assert_eq!(
             env_key("conversations.replay_buffer_events"),

@@ -23,6 +23,7 @@ use axum::extract::ws::{Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::response::Response;
 use axum::routing::get;
+use axum::serve::ListenerExt;
 use axum::Router;
 use clap::Parser;
 use futures_util::{SinkExt, StreamExt};
@@ -34,6 +35,8 @@ use tokio::sync::mpsc;
 /// `limits.max_outbound_frames`); a connection that falls further behind is
 /// dropped.
 const OUTBOUND_FRAMES: usize = 10_000;
+/// Most frames written with one flush.
+const WRITE_BATCH: usize = 64;
 
 #[derive(Parser)]
 #[command(
@@ -148,12 +151,16 @@ async fn main() -> anyhow::Result<()> {
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     eprintln!("listening on {}", listener.local_addr()?);
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router).await?;
     Ok(())
 }
 
 async fn upgrade(State(app): State<Arc<App>>, ws: WebSocketUpgrade) -> Response {
-    ws.on_upgrade(move |socket| serve(socket, app))
+    ws.read_buffer_size(4096)
+        .on_upgrade(move |socket| serve(socket, app))
 }
 
 async fn serve(socket: WebSocket, app: Arc<App>) {
@@ -161,8 +168,23 @@ async fn serve(socket: WebSocket, app: Arc<App>) {
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::channel::<Utf8Bytes>(OUTBOUND_FRAMES);
     let writer = tokio::spawn(async move {
+        // What is queued goes out with one flush, as linger does.
         while let Some(frame) = rx.recv().await {
-            if sink.send(Message::Text(frame)).await.is_err() {
+            let mut batch = vec![frame];
+            while batch.len() < WRITE_BATCH {
+                match rx.try_recv() {
+                    Ok(frame) => batch.push(frame),
+                    Err(_) => break,
+                }
+            }
+            let mut sent = Ok(());
+            for frame in batch {
+                sent = sink.feed(Message::Text(frame)).await;
+                if sent.is_err() {
+                    break;
+                }
+            }
+            if sent.is_err() || sink.flush().await.is_err() {
                 break;
             }
         }

@@ -151,6 +151,12 @@ async fn send(sink: &mut Sink, frame: Value) -> Result<(), End> {
 }
 
 impl Session {
+    /// A note on stderr, after ending a streamed line on a terminal.
+    fn say(&mut self, text: impl std::fmt::Display) {
+        self.printer.before_note();
+        note(text);
+    }
+
     fn attach_frame(&self) -> Value {
         json!({"type": "attach", "conversation_id": self.id, "last_seq": self.last_seq,
                "mode": self.mode, "req": "attach"})
@@ -214,11 +220,11 @@ impl Session {
                 None
             }
             Line::Bad(why) => {
-                note(why);
+                self.say(why);
                 None
             }
             Line::Message(_) | Line::ToolResult { .. } if self.mode == "observe" => {
-                note("observing: this terminal is read-only");
+                self.say("observing: this terminal is read-only");
                 None
             }
             Line::Message(text) => {
@@ -266,7 +272,7 @@ impl Session {
                 self.finish(sink).await
             }
             Some(Line::Stop | Line::Close) if !self.attached => {
-                note("not attached: nothing to stop");
+                self.say("not attached: nothing to stop");
                 Ok(())
             }
             Some(Line::Stop) => {
@@ -289,7 +295,7 @@ impl Session {
         };
         match self.queue(&line) {
             Some(Line::Detach) => self.stdin_done = true,
-            Some(Line::Stop | Line::Close) => note("not connected: try again when it is back"),
+            Some(Line::Stop | Line::Close) => self.say("not connected: try again when it is back"),
             _ => {}
         }
     }
@@ -310,7 +316,7 @@ impl Session {
                 self.attempt = 0;
                 let replay_from = frame["replay_from"].as_u64().unwrap_or(0);
                 if frame["replay_incomplete"] == true && replay_from > self.last_seq + 1 {
-                    note(format!(
+                    self.say(format!(
                         "events {} to {} were deleted by retention",
                         self.last_seq + 1,
                         replay_from - 1
@@ -318,9 +324,9 @@ impl Session {
                 }
                 let status = frame["status"].as_str().unwrap_or("?");
                 if self.attached_once {
-                    note(format!("reconnected; the agent is {status}"));
+                    self.say(format!("reconnected; the agent is {status}"));
                 } else {
-                    note(format!(
+                    self.say(format!(
                         "attached to {} (agent {status}); Ctrl-D detaches, /help for commands",
                         self.id
                     ));
@@ -328,7 +334,7 @@ impl Session {
                 }
                 if let Some(calls) = frame["pending_calls"].as_array() {
                     for call in calls.iter().filter_map(Value::as_str) {
-                        note(format!(
+                        self.say(format!(
                             "tool call {call} waits for your answer: /result {call} JSON"
                         ));
                     }
@@ -342,7 +348,7 @@ impl Session {
                 self.attached = false;
                 self.attaching = false;
                 let reason = frame["reason"].as_str().unwrap_or("");
-                self.printer.end_line();
+                self.printer.before_note();
                 match reason {
                     "client" => return Err(End::Done),
                     "deleted" => {
@@ -350,7 +356,7 @@ impl Session {
                     }
                     _ => {
                         self.want_attached = false;
-                        note(format!(
+                        self.say(format!(
                             "detached: {}; type a message to resume it",
                             detach_words(reason)
                         ));
@@ -387,11 +393,11 @@ impl Session {
                     }
                     "limit_reached" => {
                         self.want_attached = false;
-                        note(format!("cannot resume it: {message}"));
+                        self.say(format!("cannot resume it: {message}"));
                         let dropped = self.outbox.len();
                         self.outbox.clear();
                         if dropped > 0 {
-                            note(format!("{dropped} unsent line(s) dropped"));
+                            self.say(format!("{dropped} unsent line(s) dropped"));
                         }
                         if self.stdin_done {
                             return Err(End::Done);
@@ -411,15 +417,15 @@ impl Session {
                     let out = self.outbox.remove(pos);
                     match (&out.what, code) {
                         (Pending::ToolResult { call_id, .. }, "unknown_call") => {
-                            note(format!("call {call_id} is answered already (or unknown)"))
+                            self.say(format!("call {call_id} is answered already (or unknown)"))
                         }
-                        _ => note(format!("not sent ({code}): {message}")),
+                        _ => self.say(format!("not sent ({code}): {message}")),
                     }
                     if self.stdin_done {
                         self.finish(sink).await?;
                     }
                 } else {
-                    note(format!("{code}: {message}"));
+                    self.say(format!("{code}: {message}"));
                 }
             }
         }
@@ -531,12 +537,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 End::Done => return Ok(()),
                 End::Fatal(e) => return Err(e),
                 End::Lost(why) => {
-                    session.printer.end_line();
-                    note(format!("connection lost ({why})"));
+                    session.say(format!("connection lost ({why})"));
                 }
             },
             Err(e) if e.is::<Unauthorized>() => return Err(e),
-            Err(e) => note(format!("{e:#}")),
+            Err(e) => session.say(format!("{e:#}")),
         }
         if session.stdin_done && session.outbox.is_empty() {
             // Nothing left to deliver; the server already detached us.
@@ -544,7 +549,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         let delay = backoff(session.attempt);
         session.attempt = session.attempt.saturating_add(1);
-        note(format!("reconnecting in {:.1}s", delay.as_secs_f64()));
+        session.say(format!("reconnecting in {:.1}s", delay.as_secs_f64()));
         let sleep = tokio::time::sleep(delay);
         tokio::pin!(sleep);
         loop {

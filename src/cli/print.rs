@@ -3,7 +3,7 @@
 //! tool calls and stops on lines of their own.
 
 use std::collections::{HashMap, HashSet};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 
 use serde_json::Value;
 
@@ -41,6 +41,9 @@ pub struct Printer {
     pub own_messages: HashSet<String>,
     /// Whether our own messages are echoed (not when a person types them).
     pub echo_own: bool,
+    /// stdout is a terminal: end a streamed line before a note on stderr,
+    /// so the two do not share a line on screen.
+    tty: bool,
 }
 
 impl Printer {
@@ -50,6 +53,15 @@ impl Printer {
             mid_line: false,
             own_messages: HashSet::new(),
             echo_own,
+            tty: std::io::stdout().is_terminal(),
+        }
+    }
+
+    /// Before a note on stderr: on a terminal, ends the streamed line. Piped
+    /// output is left as the conversation wrote it.
+    pub fn before_note(&mut self) {
+        if self.tty {
+            self.end_line();
         }
     }
 

@@ -22,6 +22,13 @@ use crate::store::{ConversationMeta, StoreError};
 /// Most events one `/events` call returns.
 const MAX_EVENTS_PAGE: usize = 10_000;
 const DEFAULT_EVENTS_PAGE: usize = 1_000;
+/// A page of `/events` stops growing past this many bytes (it holds at
+/// least one event): events can be large (a message may be 256 KiB of text,
+/// more once JSON-escaped), and `limit` alone would let one request load
+/// gigabytes. Clients page on with `after` until `head_seq`.
+const EVENTS_PAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Events read from the store at a time while building a page.
+const EVENTS_READ_CHUNK: usize = 32;
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A REST failure: an HTTP status and a protocol error code.
@@ -183,16 +190,29 @@ pub async fn events(
         .limit
         .unwrap_or(DEFAULT_EVENTS_PAGE)
         .clamp(1, MAX_EVENTS_PAGE);
-    let events = app.store.events(&id, query.after, limit).await?;
     // The stored frames are already JSON: splice them instead of re-encoding.
-    let mut body =
-        String::with_capacity(events.iter().map(|e| e.frame.len() + 1).sum::<usize>() + 64);
-    body.push_str("{\"events\":[");
-    for (i, event) in events.iter().enumerate() {
-        if i > 0 {
-            body.push(',');
+    // Read in small chunks and stop at the byte budget, so that memory per
+    // request stays bounded whatever the events' sizes.
+    let mut body = String::from("{\"events\":[");
+    let mut after = query.after;
+    let mut count = 0;
+    'pages: while count < limit {
+        let want = (limit - count).min(EVENTS_READ_CHUNK);
+        let chunk = app.store.events(&id, after, want).await?;
+        for event in &chunk {
+            if count > 0 && body.len() + event.frame.len() > EVENTS_PAGE_BYTES {
+                break 'pages;
+            }
+            if count > 0 {
+                body.push(',');
+            }
+            body.push_str(event.frame.as_str());
+            after = event.seq;
+            count += 1;
         }
-        body.push_str(event.frame.as_str());
+        if chunk.len() < want {
+            break;
+        }
     }
     body.push_str(&format!("],\"head_seq\":{}}}", meta.head_seq));
     Ok((

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::Response;
@@ -30,6 +30,18 @@ use crate::protocol::{ErrorCode, ServerFrame};
 const INFLIGHT_FRAMES: usize = 64;
 /// How long a close frame may take to go out.
 const CLOSE_PATIENCE: Duration = Duration::from_secs(2);
+/// The websocket library's read buffer per connection (its default,
+/// 128 KiB, is zero-filled on the first read: 128 KiB of RSS for every
+/// connection, idle or not). Client frames are small; a larger one is read
+/// in several steps.
+const READ_BUFFER_BYTES: usize = 4 * 1024;
+/// Most frames written with one flush (one system call) when several are
+/// queued: a replay or a burst goes out in a few writes, not one per event.
+const WRITE_BATCH: usize = 64;
+/// How long the 4008 close of a slow consumer may take to go out: its socket
+/// buffers are full, so the close frame reaches it only once it reads again.
+/// Its queued frames are dropped first, so this holds only the socket.
+const SLOW_CLOSE_PATIENCE: Duration = Duration::from_secs(15);
 
 pub async fn upgrade(
     State(app): State<AppState>,
@@ -53,8 +65,13 @@ pub async fn upgrade(
     let slot = app
         .connections
         .acquire(&caller.user, app.config.limits.max_connections_per_user);
-    ws.max_message_size(max)
-        .max_frame_size(max)
+    // The library's own limit is twice ours: a frame somewhat over the limit
+    // is read whole and answered with a clean 1009 close; only a far larger
+    // one is cut off mid-read.
+    let hard_max = max.saturating_mul(2);
+    ws.max_message_size(hard_max)
+        .max_frame_size(hard_max)
+        .read_buffer_size(READ_BUFFER_BYTES)
         .on_upgrade(move |socket| async move {
             match slot {
                 Some(slot) => serve(socket, app, caller, slot).await,
@@ -82,8 +99,9 @@ async fn refuse_too_many(mut socket: WebSocket, app: &AppState) {
     let _ = tokio::time::timeout(CLOSE_PATIENCE, socket.send(Message::Close(Some(close)))).await;
 }
 
-/// Serves one socket; `_slot` holds the user's connection slot until it ends.
-async fn serve(socket: WebSocket, app: AppState, caller: Caller, _slot: Slot) {
+/// Serves one socket; `slot` holds the user's connection slot until the
+/// connection is done (not while its close frame waits to go out).
+async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let id = app.next_connection.fetch_add(1, Ordering::Relaxed);
     let (sink, mut stream) = socket.split();
     let (outbound, receiver) = outbound::channel(app.config.limits.max_outbound_frames);
@@ -121,7 +139,16 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, _slot: Slot) {
             }
             None => break,
         };
+        let max = app.config.limits.max_frame_bytes;
         let msg = match message {
+            Message::Text(text) if text.len() > max => {
+                outbound.close(close_code::TOO_BIG, "frame too big", false);
+                break;
+            }
+            Message::Binary(bytes) if bytes.len() > max => {
+                outbound.close(close_code::TOO_BIG, "frame too big", false);
+                break;
+            }
             Message::Text(text) => ConnectionMsg::Text(text.to_string()),
             Message::Binary(_) => ConnectionMsg::Binary,
             Message::Close(_) => break,
@@ -139,7 +166,12 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, _slot: Slot) {
     let _ = actor_done.await;
     // The socket is gone or closing: nothing queued can be delivered now.
     outbound.close(close_code::GOING_AWAY, "connection closed", false);
-    let _ = writer.await;
+    drop(slot);
+    // Keep reading (and discarding) until the client answers our close or
+    // goes: closing a socket with unread input resets it, and the client
+    // would lose the close frame and its code.
+    let drain = async { while let Some(Ok(_)) = stream.next().await {} };
+    let _ = tokio::join!(writer, tokio::time::timeout(CLOSE_PATIENCE, drain));
     m::websocket_connections(-1.0);
 }
 
@@ -167,7 +199,7 @@ async fn write_loop(
             frame = out.rx.recv() => {
                 let Some(frame) = frame else { break None };
                 let sent = tokio::select! {
-                    sent = sink.send(Message::Text(frame)) => sent.is_ok(),
+                    sent = send_batch(&mut sink, frame, &mut out.rx) => sent.is_ok(),
                     _ = out.close.cancelled() => false,
                     _ = shutdown.cancelled() => false,
                 };
@@ -180,6 +212,16 @@ async fn write_loop(
     let Some(request) = request else {
         return;
     };
+    let patience = if request.code == close_code::SLOW_CONSUMER {
+        SLOW_CLOSE_PATIENCE
+    } else {
+        CLOSE_PATIENCE
+    };
+    if !request.drain {
+        // Free what will never be sent before waiting on the close.
+        out.rx.close();
+        while out.rx.try_recv().is_ok() {}
+    }
     let finish = async {
         if request.drain {
             while let Ok(frame) = out.rx.try_recv() {
@@ -195,5 +237,22 @@ async fn write_loop(
         let _ = sink.send(Message::Close(Some(close))).await;
         let _ = sink.close().await;
     };
-    let _ = tokio::time::timeout(CLOSE_PATIENCE, finish).await;
+    let _ = tokio::time::timeout(patience, finish).await;
+}
+
+/// Writes `first` and the frames already queued behind it (up to
+/// [`WRITE_BATCH`]) with a single flush.
+async fn send_batch(
+    sink: &mut SplitSink<WebSocket, Message>,
+    first: Utf8Bytes,
+    rx: &mut tokio::sync::mpsc::Receiver<Utf8Bytes>,
+) -> Result<(), axum::Error> {
+    sink.feed(Message::Text(first)).await?;
+    for _ in 1..WRITE_BATCH {
+        match rx.try_recv() {
+            Ok(frame) => sink.feed(Message::Text(frame)).await?,
+            Err(_) => break,
+        }
+    }
+    sink.flush().await
 }

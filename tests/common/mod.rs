@@ -145,14 +145,25 @@ impl TestServer {
 
     /// The stored events of a conversation after `after`, through REST
     /// (which never activates or attaches).
+    /// Pages on (`after` = the last seq) until `head_seq`, as a client must:
+    /// a page may hold fewer than `limit` events.
     pub async fn stored_events(&self, id: &str, user: &str, after: u64) -> Vec<Value> {
-        let path = format!("/v1/conversations/{id}/events?after={after}&limit=10000");
-        let (status, body) = self.get(&path, Some(user)).await;
-        assert_eq!(status, 200, "GET {path} as {user}: {body}");
-        body["events"]
-            .as_array()
-            .unwrap_or_else(|| panic!("GET {path}: no `events` array in {body}"))
-            .clone()
+        let mut events: Vec<Value> = Vec::new();
+        let mut cursor = after;
+        loop {
+            let path = format!("/v1/conversations/{id}/events?after={cursor}&limit=10000");
+            let (status, body) = self.get(&path, Some(user)).await;
+            assert_eq!(status, 200, "GET {path} as {user}: {body}");
+            let page = body["events"]
+                .as_array()
+                .unwrap_or_else(|| panic!("GET {path}: no `events` array in {body}"));
+            let head = body["head_seq"].as_u64().unwrap_or(0);
+            events.extend(page.iter().cloned());
+            match page.last() {
+                Some(last) if seq(last) < head => cursor = seq(last),
+                _ => return events,
+            }
+        }
     }
 
     /// Waits until the stored history satisfies `done`, reading it through

@@ -92,15 +92,23 @@ impl ServerProcess {
 
     /// Waits for a log line (already written or coming) that matches.
     pub fn wait_for_log(&mut self, pred: impl Fn(&str) -> bool) -> String {
+        self.wait_for_log_within(RECV_TIMEOUT, pred)
+    }
+
+    /// [`ServerProcess::wait_for_log`] for a line that comes only after a
+    /// long server-side timer (the slow-consumer patience, say).
+    pub fn wait_for_log_within(&mut self, within: Duration, pred: impl Fn(&str) -> bool) -> String {
         if let Some(line) = self.log.lock().unwrap().iter().find(|l| pred(l)) {
             return line.clone();
         }
+        let deadline = std::time::Instant::now() + within;
         loop {
-            match self.new_line.recv_timeout(RECV_TIMEOUT) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.new_line.recv_timeout(left) {
                 Ok(line) if pred(&line) => return line,
                 Ok(_) => continue,
                 Err(_) => panic!(
-                    "no matching log line in {RECV_TIMEOUT:?}; log:\n{}",
+                    "no matching log line in {within:?}; log:\n{}",
                     self.log.lock().unwrap().join("\n")
                 ),
             }

@@ -1,0 +1,154 @@
+//! Attachments as cursors over the log: attach, the replay task that
+//! catches a cursor up, the switch to live, and detach.
+
+use super::*;
+
+impl State {
+    pub(super) fn attach(
+        &mut self,
+        myself: &ActorRef<ConversationMsg>,
+        conn: ConnectionHandle,
+        mode: Mode,
+        last_seq: u64,
+        req: Option<ReqId>,
+        announce: bool,
+    ) {
+        if self.stopping.is_some() {
+            conn.outbound.reply(&ServerFrame::error(
+                req,
+                ErrorCode::NotFound,
+                "the conversation is stopping; attach again",
+                Some(self.id.to_string()),
+            ));
+            let _ = conn.actor.cast(ConnectionMsg::DetachedBy {
+                conversation_id: self.id.clone(),
+                actor: myself.get_id(),
+            });
+            return;
+        }
+        let conn_id = conn.id;
+        if let Some(old) = self.attachments.remove(&conn_id) {
+            old.cancel.cancel();
+        }
+        let from = last_seq.min(self.committed) + 1;
+        let attached = announce.then(|| ServerFrame::Attached {
+            req,
+            conversation_id: self.id.to_string(),
+            status: self.status(),
+            mode,
+            head_seq: self.committed,
+            replay_from: from,
+            replay_incomplete: false,
+            pending_calls: self
+                .turn
+                .as_ref()
+                .map(|t| t.pending_calls.clone())
+                .unwrap_or_default(),
+            queued_messages: self.queue.len(),
+        });
+        info!(conversation = %self.id, user = %self.user, connection = conn_id,
+            attach_user = %conn.user, mode = mode.as_str(), last_seq, head_seq = self.committed, "attached");
+        self.attachments.insert(
+            conn_id,
+            Attachment {
+                conn,
+                mode,
+                cursor: Cursor::CatchingUp,
+                generation: 0,
+                cancel: CancellationToken::new(),
+            },
+        );
+        self.last_activity = Instant::now();
+        // Published before the replay starts, so that anyone who has seen
+        // this attachment's frames also sees it counted.
+        self.publish_gauge();
+        self.spawn_catch_up(myself, conn_id, from, attached);
+    }
+
+    /// Starts (or restarts) a replay task for one attachment from `from` up
+    /// to the committed head.
+    pub(super) fn spawn_catch_up(
+        &mut self,
+        myself: &ActorRef<ConversationMsg>,
+        conn_id: ConnId,
+        from: u64,
+        attached: Option<ServerFrame>,
+    ) {
+        self.next_generation += 1;
+        let generation = self.next_generation;
+        let to = self.committed;
+        let in_buffer = from > to || self.buffer.front().is_some_and(|r| r.seq <= from);
+        let from_buffer: Option<Vec<Arc<EventRecord>>> = in_buffer.then(|| {
+            let start = self.buffer.front().map(|r| r.seq).unwrap_or(from);
+            let skip = from.saturating_sub(start) as usize;
+            self.buffer.iter().skip(skip).cloned().collect()
+        });
+        let Some(attachment) = self.attachments.get_mut(&conn_id) else {
+            return;
+        };
+        attachment.cursor = Cursor::CatchingUp;
+        attachment.generation = generation;
+        if attached.is_some() && from <= to {
+            m::replay(if from_buffer.is_some() {
+                "buffer"
+            } else {
+                "store"
+            });
+        }
+        let job = Replay {
+            conversation: myself.clone(),
+            conversation_id: self.id.clone(),
+            store: self.store.clone(),
+            conn: attachment.conn.clone(),
+            cancel: attachment.cancel.clone(),
+            generation,
+            from,
+            to,
+            from_buffer,
+            attached,
+        };
+        tokio::spawn(job.run());
+    }
+
+    pub(super) fn caught_up(
+        &mut self,
+        myself: &ActorRef<ConversationMsg>,
+        conn_id: ConnId,
+        generation: u64,
+        next_seq: u64,
+    ) {
+        let Some(attachment) = self.attachments.get_mut(&conn_id) else {
+            return;
+        };
+        if attachment.generation != generation {
+            return;
+        }
+        if next_seq > self.committed {
+            attachment.cursor = Cursor::Live;
+        } else {
+            self.spawn_catch_up(myself, conn_id, next_seq, None);
+        }
+    }
+
+    pub(super) fn detach(&mut self, conn_id: ConnId, req: Option<Option<ReqId>>) {
+        let Some(attachment) = self.remove_attachment(conn_id) else {
+            return;
+        };
+        if let Some(req) = req {
+            attachment.conn.outbound.reply(&ServerFrame::Detached {
+                req,
+                conversation_id: self.id.to_string(),
+                reason: crate::protocol::DetachReason::Client,
+            });
+        }
+    }
+
+    pub(super) fn remove_attachment(&mut self, conn_id: ConnId) -> Option<Attachment> {
+        let attachment = self.attachments.remove(&conn_id)?;
+        attachment.cancel.cancel();
+        self.last_activity = Instant::now();
+        info!(conversation = %self.id, user = %self.user, connection = conn_id,
+            status = self.status().as_str(), attached = self.attachments.len(), "detached");
+        Some(attachment)
+    }
+}

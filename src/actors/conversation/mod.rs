@@ -1,0 +1,485 @@
+//! The conversation actor: the single writer of one conversation's history.
+//! It assigns seq, hands events to the store, and delivers each one to the
+//! attached connections once the store has committed it. It owns the turn
+//! runner (an [`AgentSession`]), the replay buffer, the attachments, the
+//! pending client tool calls, the message queue, and the timers of its own
+//! lifecycle rules (detach grace, idle close, turn timeout).
+//!
+//! Every attachment is a cursor over the log: `Live` attachments are sent
+//! each event as it commits; an attachment that is replaying, or whose
+//! connection fell behind, is `CatchingUp`, served by a task that reads the
+//! buffer or the store at the pace the socket drains and reports back when it
+//! reaches the head. Replay and live delivery are the same path.
+
+mod attachments;
+mod history;
+mod lifecycle;
+mod turns;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info};
+
+use super::connection::{ConnId, ConnectionHandle, ConnectionMsg};
+use super::gauge::ConversationGauge;
+use super::outbound::QueueError;
+use super::replay::Replay;
+use super::supervisor::SupervisorMsg;
+use crate::agent::AGENT_EVENT_CREDITS;
+use crate::agent::{Agent, AgentEvent, AgentOutput, AgentSession, EventSink, SessionContext};
+use crate::config::Config;
+use crate::event::{now_rfc3339, EventData, EventRecord, StartReason, ToolTarget, TurnStatus};
+use crate::metrics as m;
+use crate::protocol::{ErrorCode, Mode, ReqId, ServerFrame, Status, StopReason};
+use crate::store::{
+    AppendBatch, ConversationState, NewConversation, QueuedMessage, Snapshot, Store,
+};
+
+pub enum ConversationMsg {
+    Attach {
+        conn: ConnectionHandle,
+        mode: Mode,
+        last_seq: u64,
+        req: Option<ReqId>,
+        /// Send `attached` (false for the creator, who gets `created`).
+        announce: bool,
+    },
+    Detach {
+        conn: ConnId,
+        /// Some for a client's `detach` (answered with `detached client`).
+        req: Option<Option<ReqId>>,
+    },
+    UserMessage {
+        conn: ConnId,
+        text: String,
+        client_msg_id: Option<String>,
+        req: Option<ReqId>,
+    },
+    ToolResult {
+        conn: ConnId,
+        call_id: String,
+        output: Value,
+        is_error: bool,
+        req: Option<ReqId>,
+    },
+    StopTurn {
+        conn: ConnId,
+        req: Option<ReqId>,
+    },
+    Agent(AgentEvent),
+    Committed {
+        upto: u64,
+        credits: usize,
+        result: Result<(), crate::store::StoreError>,
+    },
+    CaughtUp {
+        conn: ConnId,
+        generation: u64,
+        next_seq: u64,
+    },
+    TurnTimeout {
+        turn_id: Arc<str>,
+    },
+    DetachGraceOver {
+        generation: u64,
+    },
+    IdleCheck {
+        generation: u64,
+    },
+    /// From the supervisor only: record why, detach everyone, stop.
+    Shutdown {
+        reason: StopReason,
+    },
+}
+
+/// How a conversation comes to be active.
+pub enum Origin {
+    New {
+        title: String,
+        close_delay: Option<Duration>,
+        reason: StartReason,
+    },
+    Restored {
+        snapshot: Box<Snapshot>,
+        reason: StartReason,
+    },
+}
+
+pub struct ConversationArgs {
+    pub id: Arc<str>,
+    pub user: Arc<str>,
+    pub origin: Origin,
+    pub config: Arc<Config>,
+    pub store: Arc<dyn Store>,
+    pub agent: Arc<dyn Agent>,
+    pub supervisor: ActorRef<SupervisorMsg>,
+    pub gauge: Arc<ConversationGauge>,
+    pub workspace: PathBuf,
+}
+
+pub struct Conversation;
+
+/// Most bytes of frames one conversation's replay buffer holds, whatever
+/// `replay_buffer_events` says: events can be large (long messages, tool
+/// output), and memory must stay bounded per conversation.
+pub const REPLAY_BUFFER_MAX_BYTES: usize = 8 * 1024 * 1024;
+
+/// A message scheduled with `send_after`; aborting it cancels the timer.
+type Timer = tokio::task::JoinHandle<Result<(), ractor::MessagingErr<ConversationMsg>>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cursor {
+    Live,
+    CatchingUp,
+}
+
+struct Attachment {
+    conn: ConnectionHandle,
+    mode: Mode,
+    cursor: Cursor,
+    generation: u64,
+    cancel: CancellationToken,
+}
+
+struct Turn {
+    id: Arc<str>,
+    started: Instant,
+    pending_calls: Vec<String>,
+    timeout: Timer,
+}
+
+/// A reply that must wait until the event it names is committed.
+struct DeferredReply {
+    seq: u64,
+    conn: ConnId,
+    frame: ServerFrame,
+}
+
+pub struct State {
+    id: Arc<str>,
+    user: Arc<str>,
+    config: Arc<Config>,
+    store: Arc<dyn Store>,
+    supervisor: ActorRef<SupervisorMsg>,
+    gauge: Arc<ConversationGauge>,
+    session: Box<dyn AgentSession>,
+    credits: Arc<Semaphore>,
+    close_delay: Duration,
+
+    /// The next seq to assign.
+    next_seq: u64,
+    /// Every seq up to this one is durable and may be sent.
+    committed: u64,
+    /// Assigned, not yet handed to the store (flushed at the end of each
+    /// handler so one handler's events are one append).
+    batch: Vec<Arc<EventRecord>>,
+    batch_credits: usize,
+    batch_client_ids: Vec<(String, u64)>,
+    batch_create: Option<NewConversation>,
+    /// Handed to the store, not yet committed, in seq order.
+    in_flight: VecDeque<Arc<EventRecord>>,
+    /// The last committed events, at most `replay_buffer_events` and about
+    /// [`REPLAY_BUFFER_MAX_BYTES`].
+    buffer: VecDeque<Arc<EventRecord>>,
+    buffer_bytes: usize,
+    deferred: VecDeque<DeferredReply>,
+
+    attachments: HashMap<ConnId, Attachment>,
+    next_generation: u64,
+    turn: Option<Turn>,
+    queue: VecDeque<QueuedMessage>,
+    seen_msg_ids: HashMap<String, u64>,
+    last_turn_message_seq: u64,
+    last_activity: Instant,
+    last_activity_at: String,
+
+    /// The rule timers: each is (generation, handle) while armed.
+    idle_timer: Option<(u64, Timer)>,
+    grace_timer: Option<(u64, Timer)>,
+    stopping: Option<StopReason>,
+}
+
+impl Actor for Conversation {
+    type Msg = ConversationMsg;
+    type State = State;
+    type Arguments = ConversationArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<ConversationMsg>,
+        args: ConversationArgs,
+    ) -> Result<State, ActorProcessingErr> {
+        let credits = Arc::new(Semaphore::new(AGENT_EVENT_CREDITS));
+        let session = args.agent.open(SessionContext {
+            conversation_id: args.id.to_string(),
+            user: args.user.to_string(),
+            workspace: args.workspace.clone(),
+            events: EventSink::new(myself.clone(), credits.clone()),
+        });
+        let buffer_cap = args.config.conversations.replay_buffer_events;
+        let mut state = State {
+            id: args.id.clone(),
+            user: args.user.clone(),
+            close_delay: args.config.conversations.close_delay,
+            config: args.config.clone(),
+            store: args.store,
+            supervisor: args.supervisor,
+            gauge: args.gauge,
+            session,
+            credits,
+            next_seq: 1,
+            committed: 0,
+            batch: Vec::new(),
+            batch_credits: 0,
+            batch_client_ids: Vec::new(),
+            batch_create: None,
+            in_flight: VecDeque::new(),
+            buffer: VecDeque::with_capacity(buffer_cap.min(4096)),
+            buffer_bytes: 0,
+            deferred: VecDeque::new(),
+            attachments: HashMap::new(),
+            next_generation: 0,
+            turn: None,
+            queue: VecDeque::new(),
+            seen_msg_ids: HashMap::new(),
+            last_turn_message_seq: 0,
+            last_activity: Instant::now(),
+            last_activity_at: now_rfc3339(),
+            idle_timer: None,
+            grace_timer: None,
+            stopping: None,
+        };
+        let max_close_delay = args.config.conversations.max_close_delay;
+        match args.origin {
+            Origin::New {
+                title,
+                close_delay,
+                reason,
+            } => {
+                if let Some(delay) = close_delay {
+                    state.close_delay = delay.min(max_close_delay);
+                }
+                state.batch_create = Some(NewConversation {
+                    user: args.user.to_string(),
+                    title: title.clone(),
+                    created_at: state.last_activity_at.clone(),
+                    close_delay,
+                });
+                state.append(EventData::ConversationCreated {
+                    user: args.user.to_string(),
+                    title,
+                });
+                state.append(EventData::AgentStarted { reason });
+            }
+            Origin::Restored { snapshot, reason } => {
+                let Snapshot {
+                    meta,
+                    tail,
+                    queued,
+                    client_msg_ids,
+                } = *snapshot;
+                if let Some(delay) = meta.close_delay {
+                    state.close_delay = delay.min(max_close_delay);
+                }
+                state.next_seq = meta.head_seq + 1;
+                state.committed = meta.head_seq;
+                // Keep the newest part of the tail that fits the byte cap.
+                for record in tail.into_iter().rev() {
+                    if state.buffer_bytes + record.frame.len() > REPLAY_BUFFER_MAX_BYTES
+                        && !state.buffer.is_empty()
+                    {
+                        break;
+                    }
+                    state.buffer_bytes += record.frame.len();
+                    state.buffer.push_front(record);
+                }
+                state.queue.extend(queued);
+                state.seen_msg_ids.extend(client_msg_ids);
+                state.last_turn_message_seq = meta.last_turn_message_seq;
+                state.append(EventData::AgentStarted { reason });
+                state.start_next_turn(&myself);
+            }
+        }
+        state.flush(&myself);
+        state.rearm_timers(&myself);
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<ConversationMsg>,
+        message: ConversationMsg,
+        state: &mut State,
+    ) -> Result<(), ActorProcessingErr> {
+        if state.stopping.is_some() && state.refuse_while_stopping(&message) {
+            return Ok(());
+        }
+        match message {
+            ConversationMsg::Attach {
+                conn,
+                mode,
+                last_seq,
+                req,
+                announce,
+            } => state.attach(&myself, conn, mode, last_seq, req, announce),
+            ConversationMsg::Detach { conn, req } => state.detach(conn, req),
+            ConversationMsg::UserMessage {
+                conn,
+                text,
+                client_msg_id,
+                req,
+            } => state.user_message(&myself, conn, text, client_msg_id, req),
+            ConversationMsg::ToolResult {
+                conn,
+                call_id,
+                output,
+                is_error,
+                req,
+            } => state.tool_result(conn, call_id, output, is_error, req),
+            ConversationMsg::StopTurn { conn, req } => {
+                if state.check_control(conn, &req) {
+                    state.stop_turn(&myself);
+                    state.reply_to(
+                        conn,
+                        &ServerFrame::Ack {
+                            req,
+                            conversation_id: state.id.to_string(),
+                            seq: None,
+                            duplicate: None,
+                        },
+                    );
+                }
+            }
+            ConversationMsg::Agent(event) => state.agent_event(&myself, event),
+            ConversationMsg::Committed {
+                upto,
+                credits,
+                result,
+            } => {
+                if let Err(e) = result {
+                    // Nothing of this append was sent to anyone; without a
+                    // store the conversation cannot keep its promises.
+                    error!(conversation = %state.id, error = %e, "store append failed");
+                    return Err(Box::new(e));
+                }
+                state.credits.add_permits(credits);
+                state.on_committed(&myself, upto);
+                if state.stopping.is_some() && state.in_flight.is_empty() {
+                    state.finish_stop(&myself);
+                    return Ok(());
+                }
+            }
+            ConversationMsg::CaughtUp {
+                conn,
+                generation,
+                next_seq,
+            } => state.caught_up(&myself, conn, generation, next_seq),
+            ConversationMsg::TurnTimeout { turn_id } => state.on_turn_timeout(&myself, turn_id),
+            ConversationMsg::DetachGraceOver { generation } => {
+                state.on_detach_grace_over(&myself, generation)
+            }
+            ConversationMsg::IdleCheck { generation } => state.on_idle_check(generation),
+            ConversationMsg::Shutdown { reason } => state.begin_stop(&myself, reason),
+        }
+        if state.stopping.is_none() || !state.batch.is_empty() {
+            state.flush(&myself);
+        }
+        if state.stopping.is_none() {
+            state.rearm_timers(&myself);
+        }
+        state.publish_gauge();
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<ConversationMsg>,
+        state: &mut State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.session.close();
+        for attachment in state.attachments.values() {
+            attachment.cancel.cancel();
+        }
+        state.cancel_timers();
+        state.gauge.set_stopped();
+        Ok(())
+    }
+}
+
+impl State {
+    /// A stopping conversation records nothing more from clients: answer
+    /// them as if it were already gone, so they attach again.
+    fn refuse_while_stopping(&self, message: &ConversationMsg) -> bool {
+        let (conn, req) = match message {
+            ConversationMsg::UserMessage { conn, req, .. }
+            | ConversationMsg::ToolResult { conn, req, .. }
+            | ConversationMsg::StopTurn { conn, req } => (*conn, req.clone()),
+            _ => return false,
+        };
+        self.reply_to(
+            conn,
+            &ServerFrame::error(
+                req,
+                ErrorCode::NotAttached,
+                "the conversation is stopping; attach again",
+                Some(self.id.to_string()),
+            ),
+        );
+        true
+    }
+
+    fn status(&self) -> Status {
+        match &self.turn {
+            None => Status::Idle,
+            Some(turn) if !turn.pending_calls.is_empty() => Status::Waiting,
+            Some(_) => Status::Running,
+        }
+    }
+
+    fn is_idle_detached(&self) -> bool {
+        self.turn.is_none() && self.attachments.is_empty() && self.stopping.is_none()
+    }
+
+    fn publish_gauge(&self) {
+        self.gauge
+            .publish(self.status(), self.attachments.len(), self.last_activity);
+    }
+
+    fn reply_to(&self, conn: ConnId, frame: &ServerFrame) {
+        if let Some(attachment) = self.attachments.get(&conn) {
+            attachment.conn.outbound.reply(frame);
+        }
+    }
+
+    /// Whether `conn` may steer the conversation; answers the error if not.
+    fn check_control(&self, conn: ConnId, req: &Option<ReqId>) -> bool {
+        match self.attachments.get(&conn) {
+            Some(a) if a.mode == Mode::Control => true,
+            Some(a) => {
+                a.conn.outbound.reply(&ServerFrame::error(
+                    req.clone(),
+                    ErrorCode::ReadOnly,
+                    "attached in observe mode: read only",
+                    Some(self.id.to_string()),
+                ));
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn defer(&mut self, reply: DeferredReply) {
+        if reply.seq <= self.committed {
+            self.reply_to(reply.conn, &reply.frame);
+        } else {
+            self.deferred.push_back(reply);
+        }
+    }
+}
