@@ -10,8 +10,9 @@
 //! message; observes read-only. A screenshot is saved to
 //! `target/test-artifacts/web.png`.
 //!
-//! Chromium comes from `scripts/install-test-deps.sh`; without it this test
-//! fails and says so. Waits poll the DOM with a bound, never sleep blindly.
+//! Chromium comes from `scripts/install-test-deps.sh`, which this test runs
+//! itself when the browser is missing (so `cargo test` alone works on a
+//! fresh machine); if it cannot be installed the test fails and says so. Waits poll the DOM with a bound, never sleep blindly.
 
 mod common;
 
@@ -54,7 +55,25 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// Installs Chromium with the project's script when it is missing. Tests
+/// run in parallel, so one lock makes the others wait for the install.
+fn ensure_browser() {
+    static INSTALL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
+    if Path::new(CHROMIUM).exists() && Path::new(CHROMEDRIVER).exists() {
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/install-test-deps.sh");
+    let status = Command::new("bash").arg(&script).status();
+    assert!(
+        status.as_ref().is_ok_and(|s| s.success()),
+        "installing Chromium with {} failed: {status:?}",
+        script.display()
+    );
+}
+
 async fn start_browser() -> Browser {
+    ensure_browser();
     for (bin, package) in [(CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")] {
         assert!(
             Path::new(bin).exists(),
