@@ -44,6 +44,25 @@ pub enum StartError {
     Supervisor(String),
 }
 
+/// Connections the kernel may hold before they are accepted. tokio's
+/// default is 1024: when thousands of clients reconnect at once (a network
+/// blip), the rest of their SYNs were dropped and retried only after 1, 3
+/// and 7 seconds. The kernel caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 8192;
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does: a restart may reuse the port at once.
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// A running server.
 pub struct Server {
     pub addr: SocketAddr,
@@ -121,9 +140,7 @@ impl Server {
         .await
         .map_err(|e| StartError::Supervisor(e.to_string()))?;
 
-        let listener = TcpListener::bind(config.server.listen)
-            .await
-            .map_err(|source| StartError::Listen {
+        let listener = listen(config.server.listen).map_err(|source| StartError::Listen {
                 addr: config.server.listen,
                 source,
             })?;

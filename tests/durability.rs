@@ -25,11 +25,18 @@ async fn sigkill_mid_stream_loses_nothing_that_was_seen() {
             break;
         }
     }
+    let workspace = store.join("workspaces").join(&id);
+    std::fs::write(workspace.join("notes.txt"), "written before the crash").unwrap();
     server.kill9();
     drop(client);
 
     let mut server = ServerProcess::spawn(&store, "");
     server.wait_for_log(|l| l.contains("recovered conversation after restart"));
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("notes.txt")).unwrap(),
+        "written before the crash",
+        "the workspace survives a crash"
+    );
     let mut client = server.connect("alice").await;
     let attached = client.attach(&id, 0).await;
     assert_eq!(attached["replay_from"], 1);

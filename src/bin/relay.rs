@@ -149,7 +149,12 @@ async fn main() -> anyhow::Result<()> {
         .route("/v1/ws", get(upgrade))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(app);
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    // linger's listen backlog, so that a reconnect storm meets the same
+    // kernel queue.
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(args.listen)?;
+    let listener = socket.listen(8192)?;
     eprintln!("listening on {}", listener.local_addr()?);
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);

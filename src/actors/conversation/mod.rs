@@ -475,6 +475,31 @@ impl State {
         }
     }
 
+    /// Answers a client's frame with an error about this conversation.
+    fn refuse(&self, conn: ConnId, req: Option<ReqId>, code: ErrorCode, message: String) {
+        self.reply_to(
+            conn,
+            &ServerFrame::error(req, code, message, Some(self.id.to_string())),
+        );
+    }
+
+    /// Acks a frame once the event it recorded (`seq`) is committed.
+    fn ack_when_committed(
+        &mut self,
+        conn: ConnId,
+        req: Option<ReqId>,
+        seq: u64,
+        duplicate: Option<bool>,
+    ) {
+        let frame = ServerFrame::Ack {
+            req,
+            conversation_id: self.id.to_string(),
+            seq: Some(seq),
+            duplicate,
+        };
+        self.defer(DeferredReply { seq, conn, frame });
+    }
+
     fn defer(&mut self, reply: DeferredReply) {
         if reply.seq <= self.committed {
             self.reply_to(reply.conn, &reply.frame);

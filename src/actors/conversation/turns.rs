@@ -19,28 +19,18 @@ impl State {
             .as_ref()
             .and_then(|id| self.seen_msg_ids.get(id))
         {
-            let reply = DeferredReply {
-                seq: *seq,
-                conn,
-                frame: ServerFrame::Ack {
-                    req,
-                    conversation_id: self.id.to_string(),
-                    seq: Some(*seq),
-                    duplicate: Some(true),
-                },
-            };
-            self.defer(reply);
+            let seq = *seq;
+            self.ack_when_committed(conn, req, seq, Some(true));
             return;
         }
         let max_queued = self.config.conversations.max_queued_messages;
         if self.turn.is_some() && self.queue.len() >= max_queued {
-            self.reply_to(
+            self.refuse(
                 conn,
-                &ServerFrame::error(
-                    req,
-                    ErrorCode::QueueFull,
-                    format!("{max_queued} messages are already queued (conversations.max_queued_messages)"),
-                    Some(self.id.to_string()),
+                req,
+                ErrorCode::QueueFull,
+                format!(
+                    "{max_queued} messages are already queued (conversations.max_queued_messages)"
                 ),
             );
             return;
@@ -53,16 +43,7 @@ impl State {
             self.seen_msg_ids.insert(id.clone(), seq);
             self.batch_client_ids.push((id, seq));
         }
-        self.defer(DeferredReply {
-            seq,
-            conn,
-            frame: ServerFrame::Ack {
-                req,
-                conversation_id: self.id.to_string(),
-                seq: Some(seq),
-                duplicate: Some(false),
-            },
-        });
+        self.ack_when_committed(conn, req, seq, Some(false));
         self.queue.push_back(QueuedMessage { seq, text });
         self.start_next_turn(myself);
     }
@@ -143,14 +124,11 @@ impl State {
             Some(t.id.clone())
         });
         let Some(turn_id) = pending else {
-            self.reply_to(
+            self.refuse(
                 conn,
-                &ServerFrame::error(
-                    req,
-                    ErrorCode::UnknownCall,
-                    format!("no pending client tool call {call_id}"),
-                    Some(self.id.to_string()),
-                ),
+                req,
+                ErrorCode::UnknownCall,
+                format!("no pending client tool call {call_id}"),
             );
             return;
         };
@@ -161,16 +139,7 @@ impl State {
             is_error,
         });
         self.session.tool_result(&call_id, output, is_error);
-        self.defer(DeferredReply {
-            seq,
-            conn,
-            frame: ServerFrame::Ack {
-                req,
-                conversation_id: self.id.to_string(),
-                seq: Some(seq),
-                duplicate: None,
-            },
-        });
+        self.ack_when_committed(conn, req, seq, None);
     }
 
     pub(super) fn agent_event(&mut self, myself: &ActorRef<ConversationMsg>, event: AgentEvent) {
