@@ -141,9 +141,9 @@ impl Server {
         .map_err(|e| StartError::Supervisor(e.to_string()))?;
 
         let listener = listen(config.server.listen).map_err(|source| StartError::Listen {
-                addr: config.server.listen,
-                source,
-            })?;
+            addr: config.server.listen,
+            source,
+        })?;
         let addr = listener.local_addr().map_err(|source| StartError::Listen {
             addr: config.server.listen,
             source,

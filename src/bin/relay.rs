@@ -151,7 +151,11 @@ async fn main() -> anyhow::Result<()> {
         .with_state(app);
     // linger's listen backlog, so that a reconnect storm meets the same
     // kernel queue.
-    let socket = tokio::net::TcpSocket::new_v4()?;
+    let socket = if args.listen.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
     socket.set_reuseaddr(true)?;
     socket.bind(args.listen)?;
     let listener = socket.listen(8192)?;
