@@ -3,6 +3,7 @@
 //! tasks) and the task that owns the socket's write half. Its bound is
 //! `limits.max_outbound_frames`: the most unsent frames held for a connection.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +21,13 @@ pub mod close_code {
     pub const TOO_BIG: u16 = 1009;
     pub const SLOW_CONSUMER: u16 = 4008;
 }
+
+/// How long a connection may read nothing while frames wait for it before it
+/// is closed as a slow consumer (close code 4008).
+pub const SLOW_CONSUMER_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Most replies that may wait for room in one connection's full queue.
+pub const MAX_WAITING_REPLIES: usize = 64;
 
 /// Why a frame could not be queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +52,8 @@ pub struct CloseRequest {
 #[derive(Clone)]
 pub struct Outbound {
     tx: mpsc::Sender<Utf8Bytes>,
+    /// Replies waiting for room in a full queue.
+    waiting_replies: Arc<AtomicUsize>,
     close: CancellationToken,
     close_request: Arc<Mutex<Option<CloseRequest>>>,
 }
@@ -71,6 +81,7 @@ pub fn channel(capacity: usize) -> (Outbound, OutboundReceiver) {
     (
         Outbound {
             tx,
+            waiting_replies: Arc::new(AtomicUsize::new(0)),
             close: close.clone(),
             close_request: close_request.clone(),
         },
@@ -91,12 +102,26 @@ impl Outbound {
         })
     }
 
-    /// Queues an unsequenced reply; a full queue closes the connection as a
-    /// slow consumer, since a reply cannot be replayed later.
+    /// Queues an unsequenced reply. A reply cannot be replayed later, so
+    /// when the queue is momentarily full (a burst of events ahead of it)
+    /// it waits for room in a task, like a replay does; only a client with
+    /// [`MAX_WAITING_REPLIES`] replies already waiting is closed as a slow
+    /// consumer, which keeps what one connection can hold bounded.
     pub fn reply(&self, frame: &ServerFrame) {
-        if self.try_send(Utf8Bytes::from(frame.to_json())) == Err(QueueError::Full) {
-            self.close(close_code::SLOW_CONSUMER, "slow consumer", false);
+        let text = Utf8Bytes::from(frame.to_json());
+        if self.try_send(text.clone()) != Err(QueueError::Full) {
+            return;
         }
+        if self.waiting_replies.fetch_add(1, Ordering::AcqRel) >= MAX_WAITING_REPLIES {
+            self.waiting_replies.fetch_sub(1, Ordering::AcqRel);
+            self.close(close_code::SLOW_CONSUMER, "slow consumer", false);
+            return;
+        }
+        let outbound = self.clone();
+        tokio::spawn(async move {
+            let _ = outbound.send(text, SLOW_CONSUMER_PATIENCE).await;
+            outbound.waiting_replies.fetch_sub(1, Ordering::AcqRel);
+        });
     }
 
     /// Queues a frame, waiting for room; gives up (and closes the connection

@@ -6,7 +6,6 @@
 //! whether the attachment is live or needs another round.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::ws::Utf8Bytes;
 use ractor::ActorRef;
@@ -15,14 +14,10 @@ use tracing::warn;
 
 use super::connection::ConnectionHandle;
 use super::conversation::ConversationMsg;
-use super::outbound::close_code;
+use super::outbound::{close_code, SLOW_CONSUMER_PATIENCE};
 use crate::event::EventRecord;
 use crate::protocol::{ErrorCode, ServerFrame};
 use crate::store::Store;
-
-/// How long a replay waits for a client that reads nothing before it
-/// closes the connection as a slow consumer (close code 4008).
-pub const SLOW_CONSUMER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Events read from the store per page while replaying.
 const REPLAY_PAGE: usize = 128;

@@ -55,7 +55,7 @@ pub struct EventSink {
 
 /// How many agent events may be in flight (sent, not yet committed) per
 /// conversation.
-pub const AGENT_EVENT_CREDITS: usize = 4096;
+pub const AGENT_EVENT_CREDITS: usize = 1024;
 
 impl EventSink {
     pub fn new(conversation: ActorRef<ConversationMsg>, credits: Arc<Semaphore>) -> EventSink {

@@ -93,6 +93,10 @@ pub enum ConversationMsg {
     IdleCheck {
         generation: u64,
     },
+    /// Hands the current batch to the store. Sent to itself after a
+    /// handler appended events, so that every message already waiting in
+    /// the mailbox (a burst of agent output) joins the same append.
+    Flush,
     /// From the supervisor only: record why, detach everyone, stop.
     Shutdown {
         reason: StopReason,
@@ -125,6 +129,10 @@ pub struct ConversationArgs {
 }
 
 pub struct Conversation;
+
+/// Most events one append carries: a burst is cut into appends of this size
+/// so that no single store transaction (and what waits on it) grows large.
+const MAX_BATCH_EVENTS: usize = 128;
 
 /// Most bytes of frames one conversation's replay buffer holds, whatever
 /// `replay_buffer_events` says: events can be large (long messages, tool
@@ -183,6 +191,8 @@ pub struct State {
     batch_credits: usize,
     batch_client_ids: Vec<(String, u64)>,
     batch_create: Option<NewConversation>,
+    /// A `Flush` message is on its way to this actor.
+    flush_scheduled: bool,
     /// Handed to the store, not yet committed, in seq order.
     in_flight: VecDeque<Arc<EventRecord>>,
     /// The last committed events, at most `replay_buffer_events` and about
@@ -240,6 +250,7 @@ impl Actor for Conversation {
             batch_credits: 0,
             batch_client_ids: Vec::new(),
             batch_create: None,
+            flush_scheduled: false,
             in_flight: VecDeque::new(),
             buffer: VecDeque::with_capacity(buffer_cap.min(4096)),
             buffer_bytes: 0,
@@ -386,10 +397,16 @@ impl Actor for Conversation {
                 state.on_detach_grace_over(&myself, generation)
             }
             ConversationMsg::IdleCheck { generation } => state.on_idle_check(generation),
+            ConversationMsg::Flush => {
+                state.flush_scheduled = false;
+                state.flush(&myself);
+            }
             ConversationMsg::Shutdown { reason } => state.begin_stop(&myself, reason),
         }
-        if state.stopping.is_none() || !state.batch.is_empty() {
+        if state.stopping.is_some() || state.batch.len() >= MAX_BATCH_EVENTS {
             state.flush(&myself);
+        } else if !state.batch.is_empty() && !state.flush_scheduled {
+            state.flush_scheduled = myself.cast(ConversationMsg::Flush).is_ok();
         }
         if state.stopping.is_none() {
             state.rearm_timers(&myself);
