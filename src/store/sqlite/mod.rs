@@ -1,0 +1,395 @@
+//! The embedded SQLite history store: one database file (`linger.db`, WAL
+//! mode) holding every conversation's summary row, its events and the
+//! `client_msg_id`s it has seen.
+//!
+//! It owns three things:
+//!
+//! - **the writer**, one OS thread that owns the only write connection. Every
+//!   change (append, delete, add observer, prune) reaches it over a channel,
+//!   so changes are applied in the order they were queued, and it commits in
+//!   groups: it blocks for one command, takes everything else already queued,
+//!   runs the lot in one transaction and only then calls back. A burst of
+//!   token deltas thus costs a few commits, and a callback never fires for
+//!   data a reader could not yet see.
+//! - **the checkpointer**, a second thread that copies the WAL into the
+//!   database file, so that the copy and its fsyncs do not hold appends back
+//!   (SQLite would otherwise do it inside a commit, every 4 MB of WAL).
+//! - **a small pool of read-only connections** used from
+//!   `spawn_blocking`. WAL lets them read while the writer commits, and each
+//!   read starts a fresh snapshot, so it sees every commit whose callback has
+//!   fired.
+//!
+//! Durability is WAL with `synchronous = NORMAL`: a commit is in the WAL file
+//! (in the OS page cache) before its callback runs, which survives a SIGKILL
+//! of the process; only a power loss can take the last commits back.
+//!
+//! The store checks what it is given: an append whose events do not follow
+//! the stored `head_seq` one by one, that creates an existing conversation or
+//! appends to a missing one fails (alone: the rest of its group commits).
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+mod checkpoint;
+mod reader;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use tokio::sync::oneshot;
+
+use super::{
+    AppendBatch, CommitCallback, ConversationMeta, ConversationState, QueuedMessage, Snapshot,
+    Store, StoreError,
+};
+use crate::event::EventRecord;
+use crate::protocol::Status;
+use checkpoint::*;
+use reader::*;
+use writer::*;
+
+/// Most commands one transaction takes. Large enough that a burst is a
+/// handful of commits, small enough that the first callbacks of a group are
+/// not held back for long.
+const MAX_GROUP: usize = 4096;
+
+/// Events a prune deletes per transaction: a first prune of a large history
+/// runs as many small steps between groups of appends, instead of one long
+/// transaction that would hold every append back.
+const PRUNE_CHUNK: i64 = 2000;
+
+/// Idle read connections kept for reuse; more may be open while busy.
+const MAX_IDLE_READERS: usize = 4;
+
+/// How often the checkpointer copies the WAL into the database file.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+
+/// Checkpointer rounds without a commit after which the WAL file is
+/// truncated (it is reused, not shrunk, while appends come).
+const TRUNCATE_WHEN_IDLE_FOR: u32 = 10;
+
+/// WAL size (in 4 KiB frames, as SQLite's own default) past which the writer
+/// is asked to let the WAL start over from its beginning.
+const RESTART_WAL_FRAMES: i64 = 1000;
+
+/// Frames left uncopied that the writer may copy itself on restart, and the
+/// passes the checkpointer makes to get there.
+const FEW_FRAMES: i64 = 128;
+const CATCH_UP_PASSES: usize = 8;
+
+/// Groups the writer may run back to back, with a restart wanted, before it
+/// stops waiting for an idle moment: under sustained load the WAL would
+/// otherwise grow without bound.
+const RESTART_WITHIN_GROUPS: u32 = 256;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS conversations (
+    id                    TEXT PRIMARY KEY NOT NULL,
+    user                  TEXT NOT NULL,
+    title                 TEXT NOT NULL,
+    status                TEXT NOT NULL,
+    created_at            TEXT NOT NULL,
+    last_activity_at      TEXT NOT NULL,
+    head_seq              INTEGER NOT NULL,
+    close_delay_ms        INTEGER,
+    observers             TEXT NOT NULL DEFAULT '[]',
+    current_turn_id       TEXT,
+    last_turn_message_seq INTEGER NOT NULL DEFAULT 0
+);
+-- On `user` alone: an index that held last_activity_at would be rewritten by
+-- nearly every commit, and one user's rows are few enough to sort.
+CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations (user);
+CREATE TABLE IF NOT EXISTS events (
+    conversation_id TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    ts              TEXT NOT NULL,
+    kind            TEXT NOT NULL,
+    data            TEXT NOT NULL,
+    PRIMARY KEY (conversation_id, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS events_by_ts ON events (ts);
+CREATE TABLE IF NOT EXISTS client_msgs (
+    conversation_id TEXT NOT NULL,
+    client_msg_id   TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    PRIMARY KEY (conversation_id, client_msg_id)
+) WITHOUT ROWID;
+";
+
+const META_COLUMNS: &str = "id, user, title, status, created_at, last_activity_at, head_seq, \
+     close_delay_ms, observers, current_turn_id, last_turn_message_seq";
+
+/// The embedded store. Cheap to share behind an `Arc`; dropping the last
+/// handle lets the writer finish what is queued and close the database.
+pub struct SqliteStore {
+    // The senders are declared before the threads so that they are dropped
+    // first: closing its channel is what tells a thread to finish.
+    tx: Sender<Command>,
+    _stop_checkpointer: Sender<()>,
+    readers: Arc<Readers>,
+    commits: Arc<AtomicU64>,
+    path: PathBuf,
+    _writer: Joined,
+    _checkpointer: Joined,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.path)
+            .field("commits", &self.commits())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) `dir/linger.db` and starts the writer.
+    pub fn open(dir: &Path) -> Result<SqliteStore, StoreError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
+        let path = dir.join("linger.db");
+        let conn = open_writer(&path)?;
+        let checkpoint_conn = open_checkpointer(&path)?;
+        let restart_wanted = Arc::new(AtomicBool::new(false));
+        let commits = Arc::new(AtomicU64::new(0));
+        let (stop_checkpointer, stop_rx) = mpsc::channel();
+        let checkpointer = Checkpointer {
+            conn: checkpoint_conn,
+            stop: stop_rx,
+            restart_wanted: restart_wanted.clone(),
+            commits: commits.clone(),
+        };
+        let checkpointer = spawn("linger-store-checkpoint", move || checkpointer.run())?;
+
+        let (tx, rx) = mpsc::channel();
+        let writer = Writer {
+            conn,
+            rx,
+            commits: commits.clone(),
+            prunes: VecDeque::new(),
+            restart_wanted,
+            busy_groups: 0,
+        };
+        let writer = spawn("linger-store-writer", move || writer.run())?;
+        Ok(SqliteStore {
+            tx,
+            _stop_checkpointer: stop_checkpointer,
+            readers: Arc::new(Readers {
+                path: path.clone(),
+                idle: Mutex::new(Vec::new()),
+            }),
+            commits,
+            path,
+            _writer: writer,
+            _checkpointer: checkpointer,
+        })
+    }
+
+    /// Transactions committed so far (for metrics, and to see grouping).
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn send(&self, cmd: Command) {
+        // A send only fails once the writer thread is gone; the command comes
+        // back so that its caller still hears about it.
+        if let Err(mpsc::SendError(cmd)) = self.tx.send(cmd) {
+            cmd.fail(StoreError::Closed);
+        }
+    }
+
+    async fn request<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Command,
+    ) -> Result<T, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(make(reply));
+        rx.await.unwrap_or(Err(StoreError::Closed))
+    }
+
+    async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+    {
+        let readers = self.readers.clone();
+        tokio::task::spawn_blocking(move || readers.with(f))
+            .await
+            .map_err(|e| StoreError::Backend(format!("read task: {e}")))?
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn append(&self, batch: AppendBatch, done: CommitCallback) {
+        self.send(Command::Append { batch, done });
+    }
+
+    async fn flush(&self) -> Result<(), StoreError> {
+        self.request(|reply| Command::Flush { reply }).await
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<ConversationMeta>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |conn| get_meta(conn, &id)).await
+    }
+
+    async fn list(&self, user: Option<&str>) -> Result<Vec<ConversationMeta>, StoreError> {
+        let user = user.map(str::to_owned);
+        self.read(move |conn| {
+            let rows = match &user {
+                Some(user) => {
+                    let mut stmt = conn.prepare_cached(&format!(
+                        "SELECT {META_COLUMNS} FROM conversations WHERE user = ?1 \
+                         ORDER BY last_activity_at DESC, id"
+                    ))?;
+                    let rows = stmt.query_map([user], RawMeta::from_row)?;
+                    rows.collect::<Result<Vec<_>, _>>()?
+                }
+                None => {
+                    let mut stmt = conn.prepare_cached(&format!(
+                        "SELECT {META_COLUMNS} FROM conversations \
+                         ORDER BY last_activity_at DESC, id"
+                    ))?;
+                    let rows = stmt.query_map([], RawMeta::from_row)?;
+                    rows.collect::<Result<Vec<_>, _>>()?
+                }
+            };
+            rows.into_iter().map(RawMeta::into_meta).collect()
+        })
+        .await
+    }
+
+    async fn events(
+        &self,
+        id: &str,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT seq, ts, kind, data FROM events \
+                 WHERE conversation_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+            )?;
+            let rows = stmt.query_map(
+                params![id, clamp_i64(after), clamp_i64(limit as u64)],
+                |row| event_from_row(&id, row),
+            )?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+        .await
+    }
+
+    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+        let id = id.to_owned();
+        self.read(move |conn| {
+            // One read transaction, so that the row, the tail and the queue
+            // are of the same commit.
+            let tx = conn.transaction()?;
+            let Some(meta) = get_meta(&tx, &id)? else {
+                return Ok(None);
+            };
+            let mut tail_events = {
+                let mut stmt = tx.prepare_cached(
+                    "SELECT seq, ts, kind, data FROM events \
+                     WHERE conversation_id = ?1 ORDER BY seq DESC LIMIT ?2",
+                )?;
+                let rows = stmt.query_map(params![id, clamp_i64(tail as u64)], |row| {
+                    event_from_row(&id, row)
+                })?;
+                rows.collect::<Result<Vec<_>, _>>()?
+            };
+            tail_events.reverse();
+            let queued = {
+                let mut stmt = tx.prepare_cached(
+                    "SELECT seq, data FROM events WHERE conversation_id = ?1 AND seq > ?2 \
+                     AND kind = 'user_message' ORDER BY seq",
+                )?;
+                let rows = stmt
+                    .query_map(params![id, clamp_i64(meta.last_turn_message_seq)], |row| {
+                        Ok((row.get::<_, u64>(0)?, row.get::<_, String>(1)?))
+                    })?;
+                let rows = rows.collect::<Result<Vec<_>, _>>()?;
+                rows.into_iter()
+                    .map(|(seq, data)| {
+                        Ok(QueuedMessage {
+                            seq,
+                            text: message_text(&data).ok_or_else(|| {
+                                StoreError::Backend(format!(
+                                    "conversation {id}: user_message {seq} has no text"
+                                ))
+                            })?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, StoreError>>()?
+            };
+            let client_msg_ids = {
+                let mut stmt = tx.prepare_cached(
+                    "SELECT client_msg_id, seq FROM client_msgs \
+                     WHERE conversation_id = ?1 ORDER BY seq",
+                )?;
+                let rows = stmt.query_map([&id], |row| Ok((row.get(0)?, row.get(1)?)))?;
+                rows.collect::<Result<Vec<_>, _>>()?
+            };
+            Ok(Some(Snapshot {
+                meta,
+                tail: tail_events,
+                queued,
+                client_msg_ids,
+            }))
+        })
+        .await
+    }
+
+    async fn unfinished(&self) -> Result<Vec<ConversationMeta>, StoreError> {
+        self.read(|conn| {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {META_COLUMNS} FROM conversations WHERE status != 'stopped' \
+                 ORDER BY last_activity_at DESC, id"
+            ))?;
+            let rows = stmt.query_map([], RawMeta::from_row)?;
+            let rows = rows.collect::<Result<Vec<_>, _>>()?;
+            rows.into_iter().map(RawMeta::into_meta).collect()
+        })
+        .await
+    }
+
+    async fn delete(&self, id: &str) -> Result<bool, StoreError> {
+        let id = id.to_owned();
+        self.request(|reply| Command::Delete { id, reply }).await
+    }
+
+    async fn add_observer(&self, id: &str, user: &str) -> Result<(), StoreError> {
+        let (id, user) = (id.to_owned(), user.to_owned());
+        self.request(|reply| Command::AddObserver { id, user, reply })
+            .await
+    }
+
+    async fn prune(&self, before: SystemTime) -> Result<u64, StoreError> {
+        // humantime formats neither times before 1970 (nothing is older) nor
+        // after 9999 (everything is older).
+        if before <= UNIX_EPOCH {
+            return Ok(0);
+        }
+        let latest = UNIX_EPOCH + Duration::from_secs(253_402_300_799);
+        let cutoff = humantime::format_rfc3339_millis(before.min(latest)).to_string();
+        self.request(|reply| Command::Prune { cutoff, reply }).await
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The writer

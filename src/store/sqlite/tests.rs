@@ -1,0 +1,618 @@
+//! The SQLite store against a real database in a temporary directory.
+
+use super::*;
+use crate::event::EventData;
+use crate::store::{ConversationState, NewConversation};
+
+fn ts(secs: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_secs(secs)).to_string()
+}
+
+fn record(id: &str, seq: u64, ts: String, data: &EventData) -> Arc<EventRecord> {
+    let json = serde_json::to_string(data).unwrap();
+    Arc::new(EventRecord::from_parts(
+        id,
+        seq,
+        ts,
+        Arc::from(data.kind()),
+        json,
+    ))
+}
+
+fn delta(id: &str, seq: u64, text: &str) -> Arc<EventRecord> {
+    record(
+        id,
+        seq,
+        crate::event::now_rfc3339(),
+        &EventData::TextDelta {
+            turn_id: "t_1".into(),
+            text: text.into(),
+        },
+    )
+}
+
+fn state(status: Status, head_seq: u64) -> ConversationState {
+    ConversationState {
+        status,
+        head_seq,
+        last_activity_at: crate::event::now_rfc3339(),
+        current_turn_id: None,
+        last_turn_message_seq: 0,
+    }
+}
+
+fn create_batch(id: &str, user: &str) -> AppendBatch {
+    let ev = record(
+        id,
+        1,
+        crate::event::now_rfc3339(),
+        &EventData::ConversationCreated {
+            user: user.into(),
+            title: "hello".into(),
+        },
+    );
+    AppendBatch {
+        conversation_id: Arc::from(id),
+        create: Some(NewConversation {
+            user: user.into(),
+            title: "hello".into(),
+            created_at: ev.ts.clone(),
+            close_delay: Some(Duration::from_secs(90)),
+        }),
+        events: vec![ev],
+        state: state(Status::Idle, 1),
+        client_msg_ids: vec![],
+    }
+}
+
+fn events_batch(id: &str, events: Vec<Arc<EventRecord>>, st: ConversationState) -> AppendBatch {
+    AppendBatch {
+        conversation_id: Arc::from(id),
+        create: None,
+        events,
+        state: st,
+        client_msg_ids: vec![],
+    }
+}
+
+/// Appends and waits for the callback.
+async fn append(store: &SqliteStore, batch: AppendBatch) -> Result<(), StoreError> {
+    let (tx, rx) = oneshot::channel();
+    store.append(
+        batch,
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    );
+    rx.await.unwrap()
+}
+
+#[tokio::test]
+async fn append_and_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let evs = (2..=4).map(|s| delta("c_1", s, "tok")).collect();
+    let mut st = state(Status::Running, 4);
+    st.current_turn_id = Some("t_1".into());
+    append(&store, events_batch("c_1", evs, st.clone()))
+        .await
+        .unwrap();
+
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.user, "alice");
+    assert_eq!(meta.title, "hello");
+    assert_eq!(meta.status, Status::Running);
+    assert_eq!(meta.head_seq, 4);
+    assert_eq!(meta.close_delay, Some(Duration::from_secs(90)));
+    assert_eq!(meta.current_turn_id.as_deref(), Some("t_1"));
+    assert_eq!(meta.last_activity_at, st.last_activity_at);
+    assert!(store.get("c_nope").await.unwrap().is_none());
+
+    let all = store.events("c_1", 0, 100).await.unwrap();
+    assert_eq!(all.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    assert_eq!(&*all[0].kind, "conversation_created");
+    assert_eq!(&*all[1].kind, "text_delta");
+    let v: serde_json::Value = serde_json::from_str(all[1].frame.as_str()).unwrap();
+    assert_eq!(v["conversation_id"], "c_1");
+    assert_eq!(v["seq"], 2);
+    assert_eq!(v["data"]["text"], "tok");
+    let some = store.events("c_1", 1, 2).await.unwrap();
+    assert_eq!(some.iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3]);
+    assert!(store.events("c_1", 4, 10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn callback_fires_after_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    // Inside the callback, another connection must already see the
+    // events: it could not if the callback ran before the commit.
+    let path = store.path().to_owned();
+    let (tx, rx) = oneshot::channel();
+    let evs = (2..=11).map(|s| delta("c_1", s, "x")).collect();
+    store.append(
+        events_batch("c_1", evs, state(Status::Running, 11)),
+        Box::new(move |r| {
+            let conn =
+                Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+            let n: i64 = conn
+                .query_row(
+                    "SELECT count(*) FROM events WHERE conversation_id = 'c_1'",
+                    [],
+                    |row| row.get(0),
+                )
+                .unwrap();
+            let _ = tx.send((r, n));
+        }),
+    );
+    let (r, n) = rx.await.unwrap();
+    r.unwrap();
+    assert_eq!(n, 11);
+    assert_eq!(store.events("c_1", 0, 100).await.unwrap().len(), 11);
+}
+
+#[tokio::test]
+async fn group_commit_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    // Hold the writer inside a callback while the appends queue up, so
+    // that the grouping does not depend on how the threads race.
+    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+    store.append(
+        create_batch("c_1", "alice"),
+        Box::new(move |r| {
+            r.unwrap();
+            let _ = gate_rx.recv();
+        }),
+    );
+    let before = store.commits();
+    let n = 10_000u64;
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    for seq in 2..=n + 1 {
+        let done_tx = done_tx.clone();
+        store.append(
+            events_batch(
+                "c_1",
+                vec![delta("c_1", seq, "tok ")],
+                state(Status::Running, seq),
+            ),
+            Box::new(move |r| {
+                let _ = done_tx.send(r);
+            }),
+        );
+    }
+    gate_tx.send(()).unwrap();
+    for _ in 0..n {
+        done_rx.recv().await.unwrap().unwrap();
+    }
+    store.flush().await.unwrap();
+    let commits = store.commits() - before;
+    assert!(commits <= 5, "{commits} commits for {n} appends");
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, n + 1);
+    assert_eq!(
+        store.events("c_1", 0, usize::MAX).await.unwrap().len() as u64,
+        n + 1
+    );
+}
+
+#[tokio::test]
+async fn a_bad_append_fails_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+    store.append(
+        create_batch("c_1", "alice"),
+        Box::new(move |_| {
+            let _ = gate_rx.recv();
+        }),
+    );
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let cb = |name: &'static str| -> CommitCallback {
+        let tx = tx.clone();
+        Box::new(move |r| {
+            let _ = tx.send((name, r));
+        })
+    };
+    // All of these land in one group.
+    store.append(
+        events_batch("c_1", vec![delta("c_1", 2, "a")], state(Status::Running, 2)),
+        cb("good1"),
+    );
+    // A gap: seq 4 where 3 is next.
+    store.append(
+        events_batch("c_1", vec![delta("c_1", 4, "b")], state(Status::Running, 4)),
+        cb("gap"),
+    );
+    store.append(
+        events_batch(
+            "c_nope",
+            vec![delta("c_nope", 2, "b")],
+            state(Status::Running, 2),
+        ),
+        cb("missing"),
+    );
+    store.append(create_batch("c_1", "alice"), cb("recreate"));
+    store.append(
+        events_batch("c_1", vec![delta("c_1", 3, "c")], state(Status::Idle, 3)),
+        cb("good2"),
+    );
+    gate_tx.send(()).unwrap();
+    let mut got = std::collections::HashMap::new();
+    for _ in 0..5 {
+        let (name, r) = rx.recv().await.unwrap();
+        got.insert(name, r);
+    }
+    assert!(got["good1"].is_ok());
+    assert!(got["good2"].is_ok());
+    assert!(matches!(got["gap"], Err(StoreError::Backend(_))));
+    assert!(matches!(got["missing"], Err(StoreError::NotFound(_))));
+    assert!(matches!(got["recreate"], Err(StoreError::Backend(_))));
+    let seqs: Vec<u64> = store
+        .events("c_1", 0, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(seqs, [1, 2, 3]);
+    assert_eq!(
+        store.get("c_1").await.unwrap().unwrap().status,
+        Status::Idle
+    );
+    assert!(store.get("c_nope").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn snapshot_has_tail_queue_and_client_msg_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let now = crate::event::now_rfc3339;
+    let msg = |seq: u64, text: &str, cid: &str| {
+        record(
+            "c_1",
+            seq,
+            now(),
+            &EventData::UserMessage {
+                text: text.into(),
+                client_msg_id: Some(cid.into()),
+            },
+        )
+    };
+    // 2: message m1, 3: turn for it, 4: delta, 5 and 6: two more
+    // messages queued behind the running turn.
+    let evs = vec![
+        msg(2, "first", "m1"),
+        record(
+            "c_1",
+            3,
+            now(),
+            &EventData::TurnStarted {
+                turn_id: "t_1".into(),
+                message_seq: 2,
+            },
+        ),
+        delta("c_1", 4, "fi"),
+        msg(5, "second", "m2"),
+        msg(6, "third \"quoted\"", "m3"),
+    ];
+    let mut st = state(Status::Running, 6);
+    st.current_turn_id = Some("t_1".into());
+    st.last_turn_message_seq = 2;
+    let mut batch = events_batch("c_1", evs, st);
+    batch.client_msg_ids = vec![("m1".into(), 2), ("m2".into(), 5), ("m3".into(), 6)];
+    append(&store, batch).await.unwrap();
+
+    let snap = store.snapshot("c_1", 3).await.unwrap().unwrap();
+    assert_eq!(snap.meta.head_seq, 6);
+    assert_eq!(snap.meta.last_turn_message_seq, 2);
+    assert_eq!(
+        snap.tail.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [4, 5, 6]
+    );
+    assert_eq!(
+        snap.queued,
+        [
+            QueuedMessage {
+                seq: 5,
+                text: "second".into()
+            },
+            QueuedMessage {
+                seq: 6,
+                text: "third \"quoted\"".into()
+            },
+        ]
+    );
+    assert_eq!(
+        snap.client_msg_ids,
+        [
+            ("m1".to_string(), 2),
+            ("m2".to_string(), 5),
+            ("m3".to_string(), 6)
+        ]
+    );
+    let all = store.snapshot("c_1", 100).await.unwrap().unwrap();
+    assert_eq!(all.tail.len(), 6);
+    assert!(store.snapshot("c_nope", 10).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn delete_removes_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    append(&store, create_batch("c_2", "alice")).await.unwrap();
+    let mut batch = events_batch(
+        "c_1",
+        vec![record(
+            "c_1",
+            2,
+            crate::event::now_rfc3339(),
+            &EventData::UserMessage {
+                text: "hi".into(),
+                client_msg_id: Some("m1".into()),
+            },
+        )],
+        state(Status::Idle, 2),
+    );
+    batch.client_msg_ids = vec![("m1".into(), 2)];
+    // Not awaited: the delete must still be ordered after it.
+    store.append(batch, Box::new(|r| r.unwrap()));
+    assert!(store.delete("c_1").await.unwrap());
+    assert!(!store.delete("c_1").await.unwrap());
+    assert!(store.get("c_1").await.unwrap().is_none());
+    assert!(store.events("c_1", 0, 10).await.unwrap().is_empty());
+    assert!(store.snapshot("c_1", 10).await.unwrap().is_none());
+    assert_eq!(store.get("c_2").await.unwrap().unwrap().head_seq, 1);
+    // The id may be used again from scratch, client_msg_ids included.
+    let mut batch = create_batch("c_1", "bob");
+    batch.client_msg_ids = vec![("m1".into(), 1)];
+    append(&store, batch).await.unwrap();
+    // Appending to a deleted conversation is refused.
+    assert!(store.delete("c_2").await.unwrap());
+    let r = append(
+        &store,
+        events_batch("c_2", vec![delta("c_2", 2, "x")], state(Status::Idle, 2)),
+    )
+    .await;
+    assert!(matches!(r, Err(StoreError::NotFound(_))));
+}
+
+#[tokio::test]
+async fn observers() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    store.append(create_batch("c_1", "alice"), Box::new(|r| r.unwrap()));
+    store.add_observer("c_1", "bob").await.unwrap();
+    store.add_observer("c_1", "carol").await.unwrap();
+    store.add_observer("c_1", "bob").await.unwrap();
+    assert_eq!(
+        store.get("c_1").await.unwrap().unwrap().observers,
+        ["bob", "carol"]
+    );
+    assert!(matches!(
+        store.add_observer("c_nope", "bob").await,
+        Err(StoreError::NotFound(id)) if id == "c_nope"
+    ));
+    // Later appends keep the observers.
+    append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 2, "x")], state(Status::Idle, 2)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        store.get("c_1").await.unwrap().unwrap().observers,
+        ["bob", "carol"]
+    );
+}
+
+#[tokio::test]
+async fn prune_deletes_old_events_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    // 5,000 old events (more than one prune chunk), then 3 new ones.
+    let day = 86_400;
+    let old = 1_000 * day;
+    let n_old = 5_000u64;
+    let mut evs: Vec<_> = (2..n_old + 2)
+        .map(|seq| {
+            record(
+                "c_1",
+                seq,
+                ts(old + seq),
+                &EventData::TextDelta {
+                    turn_id: "t".into(),
+                    text: "x".into(),
+                },
+            )
+        })
+        .collect();
+    for seq in n_old + 2..n_old + 5 {
+        evs.push(delta("c_1", seq, "new"));
+    }
+    append(
+        &store,
+        events_batch("c_1", evs, state(Status::Idle, n_old + 4)),
+    )
+    .await
+    .unwrap();
+    let before = UNIX_EPOCH + Duration::from_secs(old + 10 * day);
+    assert_eq!(store.prune(before).await.unwrap(), n_old);
+    let left = store.events("c_1", 0, 100).await.unwrap();
+    // seq 1 was written now, so it stays.
+    assert_eq!(
+        left.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [1, n_old + 2, n_old + 3, n_old + 4]
+    );
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, n_old + 4);
+    assert_eq!(store.prune(before).await.unwrap(), 0);
+    assert_eq!(store.prune(UNIX_EPOCH).await.unwrap(), 0);
+    // Everything is older than the far future.
+    let far = UNIX_EPOCH + Duration::from_secs(400_000 * 365 * day);
+    assert_eq!(store.prune(far).await.unwrap(), 4);
+}
+
+#[tokio::test]
+async fn list_and_unfinished() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    for (id, user) in [("c_a", "alice"), ("c_b", "bob"), ("c_c", "alice")] {
+        append(&store, create_batch(id, user)).await.unwrap();
+    }
+    let at = |id: &str, head: u64, status: Status, secs: u64| {
+        let mut st = state(status, head);
+        st.last_activity_at = ts(secs);
+        events_batch(id, vec![], st)
+    };
+    append(&store, at("c_a", 1, Status::Stopped, 3_000))
+        .await
+        .unwrap();
+    append(&store, at("c_b", 1, Status::Waiting, 1_000))
+        .await
+        .unwrap();
+    append(&store, at("c_c", 1, Status::Running, 2_000))
+        .await
+        .unwrap();
+    let ids = |v: Vec<ConversationMeta>| v.into_iter().map(|m| m.id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(store.list(Some("alice")).await.unwrap()),
+        ["c_a", "c_c"]
+    );
+    assert_eq!(ids(store.list(Some("bob")).await.unwrap()), ["c_b"]);
+    assert!(store.list(Some("nobody")).await.unwrap().is_empty());
+    assert_eq!(ids(store.list(None).await.unwrap()), ["c_a", "c_c", "c_b"]);
+    assert_eq!(ids(store.unfinished().await.unwrap()), ["c_c", "c_b"]);
+}
+
+#[tokio::test]
+async fn data_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = SqliteStore::open(dir.path()).unwrap();
+        append(&store, create_batch("c_1", "alice")).await.unwrap();
+        store.add_observer("c_1", "bob").await.unwrap();
+        let mut st = state(Status::Running, 3);
+        st.current_turn_id = Some("t_9".into());
+        // Queued, not awaited: dropping the store finishes it.
+        store.append(
+            events_batch("c_1", vec![delta("c_1", 2, "a"), delta("c_1", 3, "b")], st),
+            Box::new(|r| r.unwrap()),
+        );
+    }
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.head_seq, 3);
+    assert_eq!(meta.status, Status::Running);
+    assert_eq!(meta.observers, ["bob"]);
+    assert_eq!(meta.current_turn_id.as_deref(), Some("t_9"));
+    assert_eq!(store.events("c_1", 0, 10).await.unwrap().len(), 3);
+    assert_eq!(store.unfinished().await.unwrap().len(), 1);
+    // And it goes on from there.
+    append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 4, "c")], state(Status::Idle, 4)),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn committed_data_is_on_disk_before_close() {
+    // What a SIGKILL leaves: the files as they are while the store runs,
+    // never closed. Copy them the moment the callback has fired and open
+    // the copy.
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let evs = (2..=500).map(|s| delta("c_1", s, "tok")).collect();
+    append(
+        &store,
+        events_batch("c_1", evs, state(Status::Running, 500)),
+    )
+    .await
+    .unwrap();
+    let copy = tempfile::tempdir().unwrap();
+    for name in ["linger.db", "linger.db-wal"] {
+        let from = dir.path().join(name);
+        if from.exists() {
+            std::fs::copy(&from, copy.path().join(name)).unwrap();
+        }
+    }
+    let recovered = SqliteStore::open(copy.path()).unwrap();
+    let meta = recovered.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.head_seq, 500);
+    assert_eq!(recovered.events("c_1", 0, 1000).await.unwrap().len(), 500);
+    drop(store);
+}
+
+#[tokio::test]
+async fn the_wal_is_checkpointed_and_truncated_when_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    for seq in 2..=200 {
+        let evs = vec![delta("c_1", seq, "some text to fill pages with")];
+        append(
+            &store,
+            events_batch("c_1", evs, state(Status::Running, seq)),
+        )
+        .await
+        .unwrap();
+    }
+    let wal = dir.path().join("linger.db-wal");
+    assert!(std::fs::metadata(&wal).unwrap().len() > 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::fs::metadata(&wal).unwrap().len() > 0 {
+        assert!(std::time::Instant::now() < deadline, "WAL never truncated");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Everything is in the database file now, and still readable.
+    assert_eq!(store.events("c_1", 0, 1000).await.unwrap().len(), 200);
+    append(
+        &store,
+        events_batch(
+            "c_1",
+            vec![delta("c_1", 201, "x")],
+            state(Status::Idle, 201),
+        ),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_panicking_callback_does_not_stop_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    store.append(create_batch("c_1", "alice"), Box::new(|_| panic!("boom")));
+    append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 2, "x")], state(Status::Idle, 2)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 2);
+}
+
+#[tokio::test]
+async fn last_handle_dropped_by_a_callback() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(SqliteStore::open(dir.path()).unwrap());
+    // A callback that drops the last handle runs on the writer itself;
+    // that must neither deadlock nor lose the callback.
+    let (tx, rx) = oneshot::channel();
+    let handle = store.clone();
+    store.append(
+        create_batch("c_1", "alice"),
+        Box::new(move |r| {
+            drop(handle);
+            let _ = tx.send(r);
+        }),
+    );
+    drop(store);
+    rx.await.unwrap().unwrap();
+}

@@ -1,0 +1,566 @@
+//! The writer thread: the only write connection, commands applied in queue
+//! order, group commit, and the callbacks after each commit.
+
+use super::*;
+
+pub(super) enum Command {
+    Append {
+        batch: AppendBatch,
+        done: CommitCallback,
+    },
+    Delete {
+        id: String,
+        reply: oneshot::Sender<Result<bool, StoreError>>,
+    },
+    AddObserver {
+        id: String,
+        user: String,
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+    Flush {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
+    Prune {
+        cutoff: String,
+        reply: oneshot::Sender<Result<u64, StoreError>>,
+    },
+}
+
+/// What a command produced inside the transaction, handed out after commit.
+pub(super) enum Done {
+    Unit,
+    Existed(bool),
+}
+
+impl Command {
+    pub(super) fn fail(self, e: StoreError) {
+        self.finish(Err(e));
+    }
+
+    /// Hands the result to whoever waits. Callbacks are the caller's code:
+    /// one that panics must not take the writer (and every other
+    /// conversation's durability) down with it.
+    pub(super) fn finish(self, result: Result<Done, StoreError>) {
+        match self {
+            Command::Append { done, .. } => {
+                let r = result.map(|_| ());
+                if catch_unwind(AssertUnwindSafe(|| done(r))).is_err() {
+                    tracing::error!("store: an append callback panicked");
+                }
+            }
+            Command::Delete { reply, .. } => {
+                let _ = reply.send(result.map(|d| matches!(d, Done::Existed(true))));
+            }
+            Command::AddObserver { reply, .. } | Command::Flush { reply } => {
+                let _ = reply.send(result.map(|_| ()));
+            }
+            Command::Prune { reply, .. } => {
+                let _ = reply.send(result.map(|_| 0));
+            }
+        }
+    }
+}
+
+/// A prune in progress: it deletes one chunk per transaction until a chunk
+/// comes back short.
+pub(super) struct PruneJob {
+    pub(super) cutoff: String,
+    pub(super) deleted: u64,
+    pub(super) reply: oneshot::Sender<Result<u64, StoreError>>,
+}
+
+pub(super) struct Writer {
+    pub(super) conn: Connection,
+    pub(super) rx: Receiver<Command>,
+    pub(super) commits: Arc<AtomicU64>,
+    pub(super) prunes: VecDeque<PruneJob>,
+    /// Set by the checkpointer, see [`Writer::restart_wal`].
+    pub(super) restart_wanted: Arc<AtomicBool>,
+    /// Groups run since a restart was wanted without an idle moment.
+    pub(super) busy_groups: u32,
+}
+
+impl Writer {
+    pub(super) fn run(mut self) {
+        let mut group: Vec<Command> = Vec::with_capacity(MAX_GROUP);
+        loop {
+            let first = match self.rx.try_recv() {
+                Ok(cmd) => Some(cmd),
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {
+                    // Idle: the moment for housekeeping that would otherwise
+                    // delay a waiting append.
+                    if self.restart_wanted.load(Ordering::Relaxed) {
+                        self.restart_wal();
+                    }
+                    // With a prune pending there is work to do even when
+                    // nothing is queued, so only block when there is none.
+                    if self.prunes.is_empty() {
+                        match self.rx.recv() {
+                            Ok(cmd) => Some(cmd),
+                            Err(_) => break,
+                        }
+                    } else {
+                        None
+                    }
+                }
+            };
+            if let Some(cmd) = first {
+                self.take(cmd, &mut group);
+            }
+            while group.len() < MAX_GROUP {
+                match self.rx.try_recv() {
+                    Ok(cmd) => self.take(cmd, &mut group),
+                    Err(_) => break,
+                }
+            }
+            if group.is_empty() && self.prunes.is_empty() {
+                continue;
+            }
+            self.run_group(&mut group);
+            if self.restart_wanted.load(Ordering::Relaxed) {
+                self.busy_groups += 1;
+                if self.busy_groups >= RESTART_WITHIN_GROUPS {
+                    self.restart_wal();
+                }
+            }
+        }
+        // Every sender is gone and the queue is empty; nobody is left to
+        // await a pending prune, but answer anyway.
+        for job in self.prunes.drain(..) {
+            let _ = job.reply.send(Err(StoreError::Closed));
+        }
+    }
+
+    pub(super) fn take(&mut self, cmd: Command, group: &mut Vec<Command>) {
+        match cmd {
+            // Prunes do not join the group: they run as chunks, one per
+            // transaction, alongside whatever else is queued.
+            Command::Prune { cutoff, reply } => self.prunes.push_back(PruneJob {
+                cutoff,
+                deleted: 0,
+                reply,
+            }),
+            cmd => group.push(cmd),
+        }
+    }
+
+    /// Runs one group in one transaction and then answers every command in
+    /// it. Fast path: no savepoints. If any command fails, the transaction is
+    /// rolled back and replayed with a savepoint per command, so that one bad
+    /// append fails alone.
+    pub(super) fn run_group(&mut self, group: &mut Vec<Command>) {
+        let prune_cutoff = self.prunes.front().map(|j| j.cutoff.clone());
+        let mut results: Vec<Result<Done, StoreError>> = Vec::with_capacity(group.len());
+        let mut pruned: Option<Result<i64, StoreError>> = None;
+        let started = std::time::Instant::now();
+
+        let outcome = self.transaction(
+            group,
+            prune_cutoff.as_deref(),
+            false,
+            &mut results,
+            &mut pruned,
+        );
+        let outcome = match outcome {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                results.clear();
+                pruned = None;
+                self.transaction(
+                    group,
+                    prune_cutoff.as_deref(),
+                    true,
+                    &mut results,
+                    &mut pruned,
+                )
+                .map(|_| ())
+            }
+            Err(e) => Err(e),
+        };
+
+        match outcome {
+            Ok(()) => {
+                self.commits.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::store_commit(started.elapsed(), group.len());
+                for (cmd, result) in group.drain(..).zip(results) {
+                    cmd.finish(result);
+                }
+                if let Some(result) = pruned {
+                    self.prune_progress(result);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, commands = group.len(), "store: commit failed");
+                for cmd in group.drain(..) {
+                    cmd.fail(e.clone());
+                }
+                if prune_cutoff.is_some() {
+                    self.prune_progress(Err(e));
+                }
+            }
+        }
+    }
+
+    /// One attempt at the group's transaction. `Ok(false)`: some command
+    /// failed on the fast path and the transaction was rolled back.
+    pub(super) fn transaction(
+        &mut self,
+        group: &[Command],
+        prune_cutoff: Option<&str>,
+        savepoints: bool,
+        results: &mut Vec<Result<Done, StoreError>>,
+        pruned: &mut Option<Result<i64, StoreError>>,
+    ) -> Result<bool, StoreError> {
+        let conn = &self.conn;
+        let mut touched = Touched::default();
+        // `?` below: the transaction is lost, every command of the group fails.
+        conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+        for cmd in group {
+            let result = if savepoints {
+                isolated(conn, |conn| apply(conn, cmd, &mut touched))
+                    .inspect_err(|_| rollback(conn))?
+            } else {
+                apply(conn, cmd, &mut touched)
+            };
+            if result.is_err() && !savepoints {
+                rollback(conn);
+                return Ok(false);
+            }
+            results.push(result);
+        }
+        if let Some(cutoff) = prune_cutoff {
+            let result = if savepoints {
+                isolated(conn, |conn| prune_chunk(conn, cutoff)).inspect_err(|_| rollback(conn))?
+            } else {
+                prune_chunk(conn, cutoff)
+            };
+            if result.is_err() && !savepoints {
+                rollback(conn);
+                return Ok(false);
+            }
+            *pruned = Some(result);
+        }
+        let committed = touched
+            .write(conn)
+            .and_then(|()| Ok(conn.prepare_cached("COMMIT")?.execute([])?));
+        if let Err(e) = committed {
+            rollback(conn);
+            return if savepoints { Err(e) } else { Ok(false) };
+        }
+        Ok(true)
+    }
+
+    /// The checkpointer copies the WAL into the database in the background,
+    /// but SQLite only starts the WAL over from its beginning when a write
+    /// transaction begins with every frame copied, which never happens while
+    /// appends keep coming. So once the WAL is large, the writer copies the
+    /// few frames left itself (two short fsyncs) at an idle moment, and its
+    /// next transaction restarts the WAL.
+    pub(super) fn restart_wal(&mut self) {
+        self.restart_wanted.store(false, Ordering::Relaxed);
+        self.busy_groups = 0;
+        if let Err(e) = checkpoint(&self.conn) {
+            tracing::warn!(error = %e, "store: checkpoint failed");
+        }
+    }
+
+    pub(super) fn prune_progress(&mut self, result: Result<i64, StoreError>) {
+        let Some(job) = self.prunes.front_mut() else {
+            return;
+        };
+        match result {
+            Ok(n) => {
+                job.deleted += n.max(0) as u64;
+                if n < PRUNE_CHUNK {
+                    if let Some(job) = self.prunes.pop_front() {
+                        let _ = job.reply.send(Ok(job.deleted));
+                    }
+                }
+            }
+            Err(e) => {
+                if let Some(job) = self.prunes.pop_front() {
+                    let _ = job.reply.send(Err(e));
+                }
+            }
+        }
+    }
+}
+
+pub(super) fn rollback(conn: &Connection) {
+    if !conn.is_autocommit() {
+        if let Err(e) = conn.execute_batch("ROLLBACK") {
+            tracing::error!(error = %e, "store: rollback failed");
+        }
+    }
+}
+
+/// Runs `f` inside a savepoint, undoing its partial work if it fails. The
+/// outer error means the whole transaction is lost: some errors (I/O, disk
+/// full) make SQLite roll it all back, and the commands after this one must
+/// not then run, each committing on its own.
+pub(super) fn isolated<T>(
+    conn: &Connection,
+    f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+) -> Result<Result<T, StoreError>, StoreError> {
+    conn.prepare_cached("SAVEPOINT cmd")?.execute([])?;
+    let result = f(conn);
+    if conn.is_autocommit() {
+        return Err(match result {
+            Err(e) => e,
+            Ok(_) => StoreError::Backend("the transaction was rolled back".into()),
+        });
+    }
+    if result.is_err() {
+        conn.prepare_cached("ROLLBACK TO cmd")?.execute([])?;
+    }
+    conn.prepare_cached("RELEASE cmd")?.execute([])?;
+    Ok(result)
+}
+
+/// The conversations a group has appended to, so that each one's row is
+/// written once per transaction (with the state of its last append) rather
+/// than once per append: under a burst, most of a group's appends are to the
+/// same few conversations.
+#[derive(Default)]
+pub(super) struct Touched<'a> {
+    pub(super) rows: HashMap<&'a str, TouchedRow<'a>>,
+}
+
+pub(super) struct TouchedRow<'a> {
+    /// The head as of this point of the transaction.
+    pub(super) head: u64,
+    /// State still to be written to the row, if any.
+    pub(super) pending: Option<&'a ConversationState>,
+}
+
+impl<'a> Touched<'a> {
+    /// The head stored for `id` as of this point of the transaction.
+    pub(super) fn head(&mut self, conn: &Connection, id: &'a str) -> Result<u64, StoreError> {
+        if let Some(row) = self.rows.get(id) {
+            return Ok(row.head);
+        }
+        let stored: Option<u64> = conn
+            .prepare_cached("SELECT head_seq FROM conversations WHERE id = ?1")?
+            .query_row([id], |row| row.get(0))
+            .optional()?;
+        let head = stored.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        self.rows.insert(
+            id,
+            TouchedRow {
+                head,
+                pending: None,
+            },
+        );
+        Ok(head)
+    }
+
+    pub(super) fn write(&self, conn: &Connection) -> Result<(), StoreError> {
+        for (id, row) in &self.rows {
+            let Some(state) = row.pending else { continue };
+            conn.prepare_cached(
+                "UPDATE conversations SET status = ?2, head_seq = ?3, last_activity_at = ?4, \
+                 current_turn_id = ?5, last_turn_message_seq = ?6 WHERE id = ?1",
+            )?
+            .execute(params![
+                id,
+                state.status.as_str(),
+                clamp_i64(state.head_seq),
+                state.last_activity_at,
+                state.current_turn_id,
+                clamp_i64(state.last_turn_message_seq),
+            ])?;
+        }
+        Ok(())
+    }
+}
+
+// `touched` is only changed once a command has fully succeeded, so that a
+// command rolled back to its savepoint leaves it as it was.
+pub(super) fn apply<'a>(
+    conn: &Connection,
+    cmd: &'a Command,
+    touched: &mut Touched<'a>,
+) -> Result<Done, StoreError> {
+    match cmd {
+        Command::Append { batch, .. } => append(conn, batch, touched).map(|()| Done::Unit),
+        Command::Delete { id, .. } => {
+            let existed = delete(conn, id)?;
+            touched.rows.remove(id.as_str());
+            Ok(Done::Existed(existed))
+        }
+        Command::AddObserver { id, user, .. } => add_observer(conn, id, user).map(|()| Done::Unit),
+        Command::Flush { .. } => Ok(Done::Unit),
+        // Never in a group (see `Writer::take`).
+        Command::Prune { .. } => Ok(Done::Unit),
+    }
+}
+
+pub(super) fn append<'a>(
+    conn: &Connection,
+    batch: &'a AppendBatch,
+    touched: &mut Touched<'a>,
+) -> Result<(), StoreError> {
+    let id: &str = &batch.conversation_id;
+    let state = &batch.state;
+    let base = check_contiguous(batch)?;
+    match &batch.create {
+        Some(new) => {
+            let close_delay_ms = new
+                .close_delay
+                .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+            conn.prepare_cached(
+                "INSERT INTO conversations (id, user, title, status, created_at, \
+                 last_activity_at, head_seq, close_delay_ms, observers, current_turn_id, \
+                 last_turn_message_seq) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, '[]', ?9, ?10)",
+            )?
+            .execute(params![
+                id,
+                new.user,
+                new.title,
+                state.status.as_str(),
+                new.created_at,
+                state.last_activity_at,
+                clamp_i64(state.head_seq),
+                close_delay_ms,
+                state.current_turn_id,
+                clamp_i64(state.last_turn_message_seq),
+            ])?;
+        }
+        None => {
+            // Refuse a batch that would leave a gap in the history or
+            // overlap what is stored.
+            let head = touched.head(conn, id)?;
+            if head != base {
+                return Err(StoreError::Backend(format!(
+                    "conversation {id}: stored head_seq is {head}, the append follows {base}"
+                )));
+            }
+        }
+    }
+    if !batch.events.is_empty() {
+        let mut stmt = conn.prepare_cached(
+            "INSERT INTO events (conversation_id, seq, ts, kind, data) VALUES (?1, ?2, ?3, ?4, ?5)",
+        )?;
+        for ev in &batch.events {
+            stmt.execute(params![id, clamp_i64(ev.seq), ev.ts, &*ev.kind, ev.data])?;
+        }
+    }
+    if !batch.client_msg_ids.is_empty() {
+        let mut stmt = conn.prepare_cached(
+            "INSERT INTO client_msgs (conversation_id, client_msg_id, seq) VALUES (?1, ?2, ?3)",
+        )?;
+        for (client_msg_id, seq) in &batch.client_msg_ids {
+            stmt.execute(params![id, client_msg_id, clamp_i64(*seq)])?;
+        }
+    }
+    let pending = if batch.create.is_some() {
+        None // written by the insert
+    } else {
+        Some(state)
+    };
+    touched.rows.insert(
+        id,
+        TouchedRow {
+            head: state.head_seq,
+            pending,
+        },
+    );
+    Ok(())
+}
+
+/// Checks that the batch's events are `base+1 ..= state.head_seq` and
+/// returns `base`, the head the store must hold before this batch.
+pub(super) fn check_contiguous(batch: &AppendBatch) -> Result<u64, StoreError> {
+    let id = &batch.conversation_id;
+    let n = batch.events.len() as u64;
+    let head = batch.state.head_seq;
+    let bad = |why: String| StoreError::Backend(format!("conversation {id}: bad append: {why}"));
+    let Some(base) = head.checked_sub(n) else {
+        return Err(bad(format!("{n} events but head_seq {head}")));
+    };
+    for (i, ev) in batch.events.iter().enumerate() {
+        let want = base + 1 + i as u64;
+        if ev.seq != want {
+            return Err(bad(format!(
+                "event seq {} where {want} was expected (head_seq {head})",
+                ev.seq
+            )));
+        }
+    }
+    if batch.create.is_some() && base != 0 {
+        return Err(bad(format!(
+            "a new conversation starts at seq 1, not {}",
+            base + 1
+        )));
+    }
+    Ok(base)
+}
+
+pub(super) fn delete(conn: &Connection, id: &str) -> Result<bool, StoreError> {
+    conn.prepare_cached("DELETE FROM events WHERE conversation_id = ?1")?
+        .execute([id])?;
+    conn.prepare_cached("DELETE FROM client_msgs WHERE conversation_id = ?1")?
+        .execute([id])?;
+    let rows = conn
+        .prepare_cached("DELETE FROM conversations WHERE id = ?1")?
+        .execute([id])?;
+    Ok(rows > 0)
+}
+
+pub(super) fn add_observer(conn: &Connection, id: &str, user: &str) -> Result<(), StoreError> {
+    let observers: Option<String> = conn
+        .prepare_cached("SELECT observers FROM conversations WHERE id = ?1")?
+        .query_row([id], |row| row.get(0))
+        .optional()?;
+    let Some(observers) = observers else {
+        return Err(StoreError::NotFound(id.to_owned()));
+    };
+    let mut observers = parse_observers(id, &observers)?;
+    if observers.iter().any(|o| o == user) {
+        return Ok(());
+    }
+    observers.push(user.to_owned());
+    let json = serde_json::to_string(&observers)
+        .map_err(|e| StoreError::Backend(format!("conversation {id}: observers: {e}")))?;
+    conn.prepare_cached("UPDATE conversations SET observers = ?2 WHERE id = ?1")?
+        .execute(params![id, json])?;
+    Ok(())
+}
+
+pub(super) fn prune_chunk(conn: &Connection, cutoff: &str) -> Result<i64, StoreError> {
+    let n = conn
+        .prepare_cached(
+            "DELETE FROM events WHERE (conversation_id, seq) IN \
+             (SELECT conversation_id, seq FROM events WHERE ts < ?1 LIMIT ?2)",
+        )?
+        .execute(params![cutoff, PRUNE_CHUNK])?;
+    Ok(n as i64)
+}
+
+// ---------------------------------------------------------------------------
+// Connections and rows
+
+pub(super) fn open_writer(path: &Path) -> Result<Connection, StoreError> {
+    let conn = Connection::open(path)?;
+    let mode: String =
+        conn.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Backend(format!(
+            "{}: journal_mode is {mode}, WAL is required",
+            path.display()
+        )));
+    }
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    // Checkpoints are the checkpointer's job (see `Checkpointer`).
+    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+    // No journal_size_limit: cutting a WAL that grew under load back when
+    // it starts over took the writer tens of milliseconds; the checkpointer
+    // truncates it once the store is idle instead.
+    conn.pragma_update(None, "cache_size", -16 * 1024)?;
+    conn.pragma_update(None, "foreign_keys", false)?;
+    conn.busy_timeout(Duration::from_secs(5))?;
+    conn.set_prepared_statement_cache_capacity(64);
+    conn.execute_batch(SCHEMA)?;
+    Ok(conn)
+}
