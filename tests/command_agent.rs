@@ -121,6 +121,16 @@ async fn start(store: &Path, script: &Path) -> TestServer {
     .await
 }
 
+/// A server running the test agent, alice connected, and her new
+/// conversation (its agent process started on activation).
+async fn with_test_agent(store: &Path) -> (TestServer, common::Client, String) {
+    let script = write_test_agent(store);
+    let server = start(store, &script).await;
+    let mut alice = server.connect("alice").await;
+    let id = alice.create().await;
+    (server, alice, id)
+}
+
 fn workspace(store: &Path, id: &str) -> PathBuf {
     store.join("workspaces").join(id)
 }
@@ -261,10 +271,7 @@ async fn echo_agent_streams_a_turn_and_its_workspace_survives_close_and_restart(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_exits_fails_its_turn_and_the_next_turn_gets_a_fresh_process() {
     let store = tempfile::tempdir().unwrap();
-    let script = write_test_agent(store.path());
-    let server = start(store.path(), &script).await;
-    let mut alice = server.connect("alice").await;
-    let id = alice.create().await;
+    let (server, mut alice, id) = with_test_agent(store.path()).await;
 
     // The process runs in the workspace, with the conversation and user in
     // its environment.
@@ -311,10 +318,7 @@ async fn an_agent_that_exits_fails_its_turn_and_the_next_turn_gets_a_fresh_proce
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_line_fails_the_turn_and_the_next_turn_works() {
     let store = tempfile::tempdir().unwrap();
-    let script = write_test_agent(store.path());
-    let server = start(store.path(), &script).await;
-    let mut alice = server.connect("alice").await;
-    let id = alice.create().await;
+    let (server, mut alice, id) = with_test_agent(store.path()).await;
 
     let events = turn(&mut alice, &id, "bad").await;
     let done = finished(&events);
@@ -357,10 +361,7 @@ async fn an_invalid_line_fails_the_turn_and_the_next_turn_works() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_that_ignores_stop_is_killed_with_its_group_and_none_is_left_after_close() {
     let store = tempfile::tempdir().unwrap();
-    let script = write_test_agent(store.path());
-    let server = start(store.path(), &script).await;
-    let mut alice = server.connect("alice").await;
-    let id = alice.create().await;
+    let (server, mut alice, id) = with_test_agent(store.path()).await;
 
     alice.send_message(&id, "stubborn").await;
     let events = alice.events_until_kind(&id, "text_delta").await;
@@ -402,10 +403,7 @@ async fn an_agent_that_ignores_stop_is_killed_with_its_group_and_none_is_left_af
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_escalates_to_sigkill_for_an_agent_that_ignores_eof_and_sigterm() {
     let store = tempfile::tempdir().unwrap();
-    let script = write_test_agent(store.path());
-    let server = start(store.path(), &script).await;
-    let mut alice = server.connect("alice").await;
-    let id = alice.create().await;
+    let (server, mut alice, id) = with_test_agent(store.path()).await;
 
     let events = turn(&mut alice, &id, "deaf").await;
     assert_eq!(finished(&events)["status"], "completed");
@@ -422,10 +420,7 @@ async fn close_escalates_to_sigkill_for_an_agent_that_ignores_eof_and_sigterm() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_tool_call_is_answered_after_a_reconnect_and_the_agent_gets_the_result() {
     let store = tempfile::tempdir().unwrap();
-    let script = write_test_agent(store.path());
-    let server = start(store.path(), &script).await;
-    let mut alice = server.connect("alice").await;
-    let id = alice.create().await;
+    let (server, mut alice, id) = with_test_agent(store.path()).await;
 
     alice.send_message(&id, "ask").await;
     let events = alice.events_until_kind(&id, "tool_call").await;
@@ -462,10 +457,7 @@ async fn a_client_tool_call_is_answered_after_a_reconnect_and_the_agent_gets_the
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_the_agent_honours_frees_the_same_process_for_the_next_turn() {
     let store = tempfile::tempdir().unwrap();
-    let script = write_test_agent(store.path());
-    let server = start(store.path(), &script).await;
-    let mut alice = server.connect("alice").await;
-    let id = alice.create().await;
+    let (server, mut alice, id) = with_test_agent(store.path()).await;
 
     alice.send_message(&id, "polite").await;
     alice.events_until_kind(&id, "text_delta").await;
@@ -490,10 +482,7 @@ async fn a_stop_the_agent_honours_frees_the_same_process_for_the_next_turn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_agent_loses_nothing() {
     let store = tempfile::tempdir().unwrap();
-    let script = write_test_agent(store.path());
-    let server = start(store.path(), &script).await;
-    let mut alice = server.connect("alice").await;
-    let id = alice.create().await;
+    let (server, mut alice, id) = with_test_agent(store.path()).await;
 
     let count = 5000;
     let events = turn(&mut alice, &id, &format!("flood {count}")).await;
