@@ -33,8 +33,27 @@ pub fn render() -> String {
     handle().map(|h| h.render()).unwrap_or_default()
 }
 
-pub fn event_appended(kind: &str) {
-    counter!("linger_events_appended_total", "kind" => kind.to_owned()).increment(1);
+/// Counts committed events by kind: one counter update per run of the same
+/// kind, not one per event (a burst of `text_delta` is one update).
+pub fn events_appended<'a>(kinds: impl IntoIterator<Item = &'a str>) {
+    let mut run: Option<(&str, u64)> = None;
+    for kind in kinds {
+        match &mut run {
+            Some((current, n)) if *current == kind => *n += 1,
+            _ => {
+                if let Some((current, n)) = run.replace((kind, 1)) {
+                    count_appended(current, n);
+                }
+            }
+        }
+    }
+    if let Some((kind, n)) = run {
+        count_appended(kind, n);
+    }
+}
+
+fn count_appended(kind: &str, n: u64) {
+    counter!("linger_events_appended_total", "kind" => kind.to_owned()).increment(n);
 }
 
 pub fn replay(source: &'static str) {

@@ -61,7 +61,6 @@ impl State {
         let mut new_events = Vec::new();
         while self.in_flight.front().is_some_and(|r| r.seq <= upto) {
             if let Some(record) = self.in_flight.pop_front() {
-                m::event_appended(&record.kind);
                 self.buffer_bytes += record.frame.len();
                 self.buffer.push_back(record.clone());
                 // Bounded in events and in bytes: a replay the buffer no
@@ -76,6 +75,7 @@ impl State {
                 new_events.push(record);
             }
         }
+        m::events_appended(new_events.iter().map(|r| &*r.kind));
         self.committed = self.committed.max(upto);
         let mut fallen_behind = Vec::new();
         let mut gone = Vec::new();
