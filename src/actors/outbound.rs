@@ -26,7 +26,9 @@ pub mod close_code {
 /// is closed as a slow consumer (close code 4008).
 pub const SLOW_CONSUMER_PATIENCE: Duration = Duration::from_secs(30);
 
-/// Most replies that may wait for room in one connection's full queue.
+/// Most replies that may wait for room in one connection's full queue; the
+/// queue itself is that much smaller, so the two together stay within
+/// `limits.max_outbound_frames`.
 pub const MAX_WAITING_REPLIES: usize = 64;
 
 /// Why a frame could not be queued.
@@ -54,6 +56,7 @@ pub struct Outbound {
     tx: mpsc::Sender<Utf8Bytes>,
     /// Replies waiting for room in a full queue.
     waiting_replies: Arc<AtomicUsize>,
+    max_waiting: usize,
     close: CancellationToken,
     close_request: Arc<Mutex<Option<CloseRequest>>>,
 }
@@ -74,14 +77,18 @@ impl OutboundReceiver {
     }
 }
 
-pub fn channel(capacity: usize) -> (Outbound, OutboundReceiver) {
-    let (tx, rx) = mpsc::channel(capacity);
+/// A connection's queue holding at most `limit` unsent frames in all: the
+/// bounded channel, plus the replies that may wait for room in it.
+pub fn channel(limit: usize) -> (Outbound, OutboundReceiver) {
+    let max_waiting = (limit / 4).clamp(1, MAX_WAITING_REPLIES);
+    let (tx, rx) = mpsc::channel(limit.saturating_sub(max_waiting).max(1));
     let close = CancellationToken::new();
     let close_request = Arc::new(Mutex::new(None));
     (
         Outbound {
             tx,
             waiting_replies: Arc::new(AtomicUsize::new(0)),
+            max_waiting,
             close: close.clone(),
             close_request: close_request.clone(),
         },
@@ -105,14 +112,15 @@ impl Outbound {
     /// Queues an unsequenced reply. A reply cannot be replayed later, so
     /// when the queue is momentarily full (a burst of events ahead of it)
     /// it waits for room in a task, like a replay does; only a client with
-    /// [`MAX_WAITING_REPLIES`] replies already waiting is closed as a slow
+    /// its share of replies (at most [`MAX_WAITING_REPLIES`]) already waiting
+    /// is closed as a slow
     /// consumer, which keeps what one connection can hold bounded.
     pub fn reply(&self, frame: &ServerFrame) {
         let text = Utf8Bytes::from(frame.to_json());
         if self.try_send(text.clone()) != Err(QueueError::Full) {
             return;
         }
-        if self.waiting_replies.fetch_add(1, Ordering::AcqRel) >= MAX_WAITING_REPLIES {
+        if self.waiting_replies.fetch_add(1, Ordering::AcqRel) >= self.max_waiting {
             self.waiting_replies.fetch_sub(1, Ordering::AcqRel);
             self.close(close_code::SLOW_CONSUMER, "slow consumer", false);
             return;
@@ -166,5 +174,38 @@ impl Outbound {
     /// Resolves once a close has been requested.
     pub async fn closed(&self) {
         self.close.cancelled().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Queued frames and waiting replies together never exceed the limit.
+    #[tokio::test]
+    async fn the_limit_covers_queued_frames_and_waiting_replies() {
+        let limit = 40;
+        let (out, mut receiver) = channel(limit);
+        let mut queued = 0;
+        while out.try_send(Utf8Bytes::from_static("{}")).is_ok() {
+            queued += 1;
+        }
+        let pong = ServerFrame::Pong { req: None };
+        let mut waiting = 0;
+        while !out.is_closed() {
+            out.reply(&pong);
+            waiting += 1;
+            tokio::task::yield_now().await;
+        }
+        // The reply that found no room closed the connection.
+        assert!(
+            queued + waiting - 1 <= limit,
+            "{queued} queued + {waiting} replies"
+        );
+        assert_eq!(
+            receiver.close_request().map(|r| r.code),
+            Some(close_code::SLOW_CONSUMER)
+        );
+        receiver.rx.close();
     }
 }
