@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::time::Duration;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use ractor::rpc::CallResult;
@@ -17,7 +16,9 @@ use tracing::{debug, info};
 
 use super::conversation::ConversationMsg;
 use super::outbound::Outbound;
-use super::supervisor::{ActivateError, Activated, SupervisorMsg};
+use super::supervisor::{
+    create_conversation, ActivateError, Activated, SupervisorMsg, CALL_TIMEOUT,
+};
 use crate::config::Config;
 use crate::event::StartReason;
 use crate::protocol::{self, ClientFrame, ErrorCode, Mode, ReqId, ServerFrame};
@@ -74,10 +75,6 @@ pub struct State {
     inflight: Arc<Semaphore>,
     attachments: HashMap<Arc<str>, Attached>,
 }
-
-/// How long a connection waits for the supervisor to activate a conversation
-/// (a snapshot read) before answering `internal`.
-const ACTIVATE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Actor for Connection {
     type Msg = ConnectionMsg;
@@ -381,21 +378,16 @@ impl State {
                 return;
             }
         };
-        let user = self.handle.user.clone();
-        let result = self
-            .supervisor
-            .call(
-                |reply| SupervisorMsg::Create {
-                    user,
-                    title: title.unwrap_or_default(),
-                    close_delay,
-                    reason: StartReason::Created,
-                    reply,
-                },
-                Some(ACTIVATE_TIMEOUT),
-            )
-            .await;
-        match flatten(result) {
+        let result = create_conversation(
+            &self.supervisor,
+            &self.config.store.path,
+            self.handle.user.clone(),
+            title.unwrap_or_default(),
+            close_delay,
+            StartReason::Created,
+        )
+        .await;
+        match result {
             Ok(activated) => {
                 self.reply(&ServerFrame::Created {
                     req,
@@ -418,7 +410,7 @@ impl State {
                     mode,
                     reply,
                 },
-                Some(ACTIVATE_TIMEOUT),
+                Some(CALL_TIMEOUT),
             )
             .await;
         match flatten(result) {

@@ -22,7 +22,7 @@ use crate::config::{Config, OnLimit};
 use crate::event::StartReason;
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, Mode, Status, StopReason};
-use crate::store::{Snapshot, Store, StoreError};
+use crate::store::{workspace_dir, Snapshot, Store, StoreError};
 
 /// Why an activation or creation was refused.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -61,10 +61,54 @@ pub struct Activated {
     pub actor: ActorRef<ConversationMsg>,
 }
 
+/// Creates and activates a conversation for `user`. Its workspace is made
+/// here, by the caller's task, so that the supervisor never waits on the
+/// file system; a refused creation removes it again.
+pub async fn create_conversation(
+    supervisor: &ActorRef<SupervisorMsg>,
+    store_path: &std::path::Path,
+    user: Arc<str>,
+    title: String,
+    close_delay: Option<Duration>,
+    reason: StartReason,
+) -> Result<Activated, ActivateError> {
+    let id: Arc<str> = Arc::from(format!("c_{}", ulid::Ulid::new()));
+    let workspace = workspace_dir(store_path, &id);
+    tokio::fs::create_dir_all(&workspace)
+        .await
+        .map_err(|e| ActivateError::Internal(format!("workspace {}: {e}", workspace.display())))?;
+    let result = match supervisor
+        .call(
+            |reply| SupervisorMsg::Create {
+                id,
+                user,
+                title,
+                close_delay,
+                reason,
+                reply,
+            },
+            Some(CALL_TIMEOUT),
+        )
+        .await
+    {
+        Ok(ractor::rpc::CallResult::Success(result)) => result,
+        Ok(_) | Err(_) => Err(ActivateError::ShuttingDown),
+    };
+    if result.is_err() {
+        let _ = tokio::fs::remove_dir(&workspace).await;
+    }
+    result
+}
+
+/// How long a caller waits for the supervisor to create or activate.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
 pub type ActivateReply = RpcReplyPort<Result<Activated, ActivateError>>;
 
 pub enum SupervisorMsg {
+    /// Made by [`create_conversation`], which has already made its workspace.
     Create {
+        id: Arc<str>,
         user: Arc<str>,
         title: String,
         close_delay: Option<Duration>,
@@ -185,6 +229,7 @@ impl Actor for Supervisor {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             SupervisorMsg::Create {
+                id,
                 user,
                 title,
                 close_delay,
@@ -192,7 +237,7 @@ impl Actor for Supervisor {
                 reply,
             } => {
                 let result = state
-                    .create(&myself, user, title, close_delay, reason)
+                    .create(&myself, id, user, title, close_delay, reason)
                     .await;
                 let _ = reply.send(result);
             }
@@ -301,7 +346,7 @@ fn round_ms(d: Duration) -> Duration {
 
 impl State {
     fn workspace(&self, id: &str) -> PathBuf {
-        self.config.store.path.join("workspaces").join(id)
+        workspace_dir(&self.config.store.path, id)
     }
 
     fn active_count(&self, user: &str) -> usize {
@@ -314,6 +359,7 @@ impl State {
     async fn create(
         &mut self,
         myself: &ActorRef<SupervisorMsg>,
+        id: Arc<str>,
         user: Arc<str>,
         title: String,
         close_delay: Option<Duration>,
@@ -323,11 +369,6 @@ impl State {
             return Err(ActivateError::ShuttingDown);
         }
         self.make_room(&user, None)?;
-        let id: Arc<str> = Arc::from(format!("c_{}", ulid::Ulid::new()));
-        // A directory of its own, made at creation and kept across stops.
-        if let Err(e) = std::fs::create_dir_all(self.workspace(&id)) {
-            return Err(ActivateError::Internal(format!("workspace: {e}")));
-        }
         let origin = Origin::New {
             title,
             close_delay,

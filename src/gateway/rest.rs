@@ -1,8 +1,6 @@
 //! The REST endpoints of protocol §2: list, get, events, create, delete,
 //! observers. Reads come from the store and never activate a conversation.
 
-use std::time::Duration;
-
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
@@ -14,10 +12,10 @@ use serde_json::json;
 
 use super::auth::Caller;
 use super::AppState;
-use crate::actors::supervisor::{ActivateError, SupervisorMsg};
+use crate::actors::supervisor::{create_conversation, ActivateError, SupervisorMsg, CALL_TIMEOUT};
 use crate::event::StartReason;
 use crate::protocol::{StopReason, MAX_TITLE_CHARS};
-use crate::store::{ConversationMeta, StoreError};
+use crate::store::{workspace_dir, ConversationMeta, StoreError};
 
 /// Most events one `/events` call returns.
 const MAX_EVENTS_PAGE: usize = 10_000;
@@ -29,7 +27,6 @@ const DEFAULT_EVENTS_PAGE: usize = 1_000;
 const EVENTS_PAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Events read from the store at a time while building a page.
 const EVENTS_READ_CHUNK: usize = 32;
-const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A REST failure: an HTTP status and a protocol error code.
 #[derive(Debug, thiserror::Error)]
@@ -245,24 +242,15 @@ pub async fn create(
         Some(Ok(d)) => Some(d),
         Some(Err(e)) => return Err(ApiError::BadRequest(format!("close_delay: {e}"))),
     };
-    let user = std::sync::Arc::from(caller.user.as_str());
-    let activated = match app
-        .supervisor
-        .call(
-            |reply| SupervisorMsg::Create {
-                user,
-                title,
-                close_delay,
-                reason: StartReason::Rest,
-                reply,
-            },
-            Some(CALL_TIMEOUT),
-        )
-        .await
-    {
-        Ok(CallResult::Success(result)) => result?,
-        _ => return Err(ApiError::Internal("the supervisor did not answer".into())),
-    };
+    let activated = create_conversation(
+        &app.supervisor,
+        &app.config.store.path,
+        std::sync::Arc::from(caller.user.as_str()),
+        title,
+        close_delay,
+        StartReason::Rest,
+    )
+    .await?;
     app.store.flush().await?;
     let meta = app
         .store
@@ -295,7 +283,7 @@ pub async fn delete(
         ));
     }
     app.store.delete(&id).await?;
-    let workspace = app.config.store.path.join("workspaces").join(&id);
+    let workspace = workspace_dir(&app.config.store.path, &id);
     match tokio::fs::remove_dir_all(&workspace).await {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -5,6 +5,7 @@
 
 pub mod sqlite;
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -12,6 +13,12 @@ use async_trait::async_trait;
 
 use crate::event::EventRecord;
 use crate::protocol::Status;
+
+/// A conversation's workspace: `store.path/workspaces/<id>`, made at
+/// creation, kept across stops and restarts, removed by delete.
+pub fn workspace_dir(store_path: &Path, conversation_id: &str) -> PathBuf {
+    store_path.join("workspaces").join(conversation_id)
+}
 
 /// A conversation's stored summary and the state needed to reactivate it.
 #[derive(Debug, Clone, PartialEq)]
