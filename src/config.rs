@@ -287,8 +287,24 @@ fn describe(error: figment::Error) -> String {
     error
         .into_iter()
         .map(|e| {
-            let key = e.path.join(".");
-            let kind = e.kind.to_string();
+            let mut key = e.path.join(".");
+            let kind = match &e.kind {
+                // figment's own wording nests backticks inside backticks.
+                figment::error::Kind::UnknownField(found, expected) => {
+                    // The path already ends with the unknown key.
+                    let parent = &e.path[..e.path.len().saturating_sub(1)];
+                    let known = if parent.is_empty() {
+                        "known sections".to_owned()
+                    } else {
+                        format!("known keys of [{}]", parent.join("."))
+                    };
+                    if key.is_empty() {
+                        key = found.clone();
+                    }
+                    format!("unknown key; {known}: {}", expected.join(", "))
+                }
+                kind => kind.to_string(),
+            };
             let source = e
                 .metadata
                 .as_ref()

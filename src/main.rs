@@ -4,7 +4,6 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use linger::config::{Config, LogFormat};
 use linger::server::Server;
@@ -19,19 +18,26 @@ mod cli;
     version,
     about = "Keeps AI-agent conversations alive when their websocket goes away"
 )]
+#[command(args_conflicts_with_subcommands = true)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// `serve`'s arguments, for `linger` alone (serve is the default).
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// The TOML config file (default: config/linger.toml when present).
+    #[arg(long, env = "LINGER_CONFIG")]
+    config: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Serve the websocket gateway (the default).
-    Serve {
-        /// The TOML config file (default: config/linger.toml when present).
-        #[arg(long, env = "LINGER_CONFIG")]
-        config: Option<PathBuf>,
-    },
+    Serve(ServeArgs),
     /// Create a conversation and print its id.
     New(cli::new::Args),
     /// List your conversations.
@@ -99,12 +105,12 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config_path = match cli.command {
         Some(Command::Bench(args)) => return bench::run(args).await,
-        Some(Command::Serve { config }) => config,
+        Some(Command::Serve(args)) => args.config,
         Some(Command::New(args)) => return client(cli::new::run(args).await),
         Some(Command::Ls(args)) => return client(cli::ls::run(args).await),
         Some(Command::Send(args)) => return client(cli::send::run(args).await),
         Some(Command::Attach(args)) => return client(cli::attach::run(args).await),
-        None => std::env::var_os("LINGER_CONFIG").map(PathBuf::from),
+        None => cli.serve.config,
     };
     let config = match Config::load(config_path.as_deref()) {
         Ok(config) => config,
@@ -114,7 +120,13 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     init_logging(config.log.format);
-    let server = Server::start(config).await.context("starting linger")?;
+    let server = match Server::start(config).await {
+        Ok(server) => server,
+        Err(e) => {
+            eprintln!("linger: cannot start: {e}");
+            std::process::exit(1);
+        }
+    };
     shutdown_signal().await;
     server.shutdown().await;
     Ok(())

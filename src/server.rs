@@ -12,6 +12,7 @@ use ractor::{Actor, ActorRef};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
@@ -21,17 +22,23 @@ use crate::agent::Agent;
 use crate::config::{AgentKind, Config};
 use crate::gateway::auth::Authenticator;
 use crate::gateway::{self, AppState};
+use crate::store::lock::StoreLock;
 use crate::store::sqlite::SqliteStore;
 use crate::store::Store;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    #[error(transparent)]
+    Lock(#[from] crate::store::lock::LockError),
     #[error("store at {path}: {source}")]
     Store {
         path: String,
         source: crate::store::StoreError,
     },
-    #[error("cannot listen on {addr}: {source}")]
+    #[error(
+        "cannot listen on {addr}: {source}{hint}",
+        hint = listen_hint(.source)
+    )]
     Listen {
         addr: SocketAddr,
         source: std::io::Error,
@@ -42,6 +49,16 @@ pub enum StartError {
     Auth(String),
     #[error("supervisor: {0}")]
     Supervisor(String),
+}
+
+/// What to do about a port that is taken.
+fn listen_hint(error: &std::io::Error) -> &'static str {
+    if error.kind() == std::io::ErrorKind::AddrInUse {
+        "; another program has this port: choose another with server.listen \
+         (LINGER__SERVER__LISTEN=127.0.0.1:7421, or port 0 for any free one)"
+    } else {
+        ""
+    }
 }
 
 /// Connections the kernel may hold before they are accepted. tokio's
@@ -71,9 +88,13 @@ pub struct Server {
     supervisor: ActorRef<SupervisorMsg>,
     accept_stop: CancellationToken,
     sockets_stop: CancellationToken,
+    /// The upgraded sockets' tasks, waited for at shutdown.
+    sockets: TaskTracker,
     http: JoinHandle<()>,
     prune: JoinHandle<()>,
     agent: Arc<dyn Agent>,
+    /// Held until the process exits: the store is this server's alone.
+    _lock: StoreLock,
 }
 
 /// Deletes history older than `store.retain`, now and then, in the
@@ -113,6 +134,21 @@ impl Server {
         // Install the recorder before anything counts.
         crate::metrics::handle();
         let path = config.store.path.clone();
+        // The store is ours before anything in it is read or written, and
+        // the port before recovery writes a word: a second server on this
+        // store, or on a taken port, changes nothing.
+        let mut lock = StoreLock::acquire(&path)?;
+        let listener = listen(config.server.listen).map_err(|source| StartError::Listen {
+            addr: config.server.listen,
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Listen {
+            addr: config.server.listen,
+            source,
+        })?;
+        if let Err(e) = lock.describe_holder(Some(addr)) {
+            warn!(error = %e, lock = %lock.path().display(), "cannot write the store lock's holder");
+        }
         let store_err = |source| StartError::Store {
             path: path.display().to_string(),
             source,
@@ -140,21 +176,15 @@ impl Server {
         .await
         .map_err(|e| StartError::Supervisor(e.to_string()))?;
 
-        let listener = listen(config.server.listen).map_err(|source| StartError::Listen {
-            addr: config.server.listen,
-            source,
-        })?;
-        let addr = listener.local_addr().map_err(|source| StartError::Listen {
-            addr: config.server.listen,
-            source,
-        })?;
         let accept_stop = CancellationToken::new();
         let sockets_stop = CancellationToken::new();
+        let sockets = TaskTracker::new();
         let app = gateway::router(AppState {
             config: config.clone(),
             store: store.clone(),
             supervisor: supervisor.clone(),
             shutdown: sockets_stop.clone(),
+            sockets: sockets.clone(),
             next_connection: Arc::new(AtomicU64::new(1)),
             connections: Default::default(),
             auth: Arc::new(auth),
@@ -184,9 +214,11 @@ impl Server {
             supervisor,
             accept_stop,
             sockets_stop,
+            sockets,
             http,
             prune,
             agent,
+            _lock: lock,
         })
     }
 
@@ -206,13 +238,20 @@ impl Server {
             if !matches!(stopped, Ok(CallResult::Success(()))) {
                 warn!("not every conversation stopped in time");
             }
-            // Close every socket with 1001 once what is queued is sent.
+            // Close every socket with 1001 once what is queued is sent, and
+            // wait until each close frame is out (or its client gone):
+            // exiting first would cut the sockets without one.
             self.sockets_stop.cancel();
+            self.sockets.close();
+            let sockets_closed = self.sockets.wait();
             // Agent processes get end of input, then SIGTERM, before we go.
-            self.agent.drained().await;
-            if let Err(e) = self.store.flush().await {
-                warn!(error = %e, "flushing the store failed");
-            }
+            let drained = async {
+                self.agent.drained().await;
+                if let Err(e) = self.store.flush().await {
+                    warn!(error = %e, "flushing the store failed");
+                }
+            };
+            tokio::join!(sockets_closed, drained);
         };
         if tokio::time::timeout(grace, steps).await.is_err() {
             warn!("shutdown grace ran out");

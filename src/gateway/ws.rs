@@ -69,14 +69,17 @@ pub async fn upgrade(
     // is read whole and answered with a clean 1009 close; only a far larger
     // one is cut off mid-read.
     let hard_max = max.saturating_mul(2);
+    let sockets = app.sockets.clone();
     ws.max_message_size(hard_max)
         .max_frame_size(hard_max)
         .read_buffer_size(READ_BUFFER_BYTES)
-        .on_upgrade(move |socket| async move {
-            match slot {
-                Some(slot) => serve(socket, app, caller, slot).await,
-                None => refuse_too_many(socket, &app).await,
-            }
+        .on_upgrade(move |socket| {
+            sockets.track_future(async move {
+                match slot {
+                    Some(slot) => serve(socket, app, caller, slot).await,
+                    None => refuse_too_many(socket, &app).await,
+                }
+            })
         })
 }
 
@@ -127,6 +130,8 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
         let next = tokio::select! {
             next = stream.next() => next,
             _ = outbound.closed() => break,
+            // The writer sends what is queued, then the 1001 close.
+            _ = app.shutdown.cancelled() => break,
         };
         let message = match next {
             Some(Ok(message)) => message,
@@ -164,8 +169,12 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     }
     let _ = actor.cast(ConnectionMsg::SocketClosed);
     let _ = actor_done.await;
-    // The socket is gone or closing: nothing queued can be delivered now.
-    outbound.close(close_code::GOING_AWAY, "connection closed", false);
+    // The socket is gone or closing: nothing queued can be delivered now,
+    // unless the server is shutting down, when the writer sends what is
+    // queued (`detached shutdown`) before its 1001 close.
+    if !app.shutdown.is_cancelled() {
+        outbound.close(close_code::GOING_AWAY, "connection closed", false);
+    }
     drop(slot);
     // Keep reading (and discarding) until the client answers our close or
     // goes: closing a socket with unread input resets it, and the client

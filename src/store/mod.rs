@@ -3,6 +3,7 @@
 //! through one writer that commits in groups and calls back once an append is
 //! durable, so that conversation actors never wait on disk (write before send).
 
+pub mod lock;
 pub mod sqlite;
 
 use std::path::{Path, PathBuf};
