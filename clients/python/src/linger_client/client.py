@@ -10,6 +10,7 @@ and hands every conversation's frames to that conversation's handle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import json
@@ -202,11 +203,15 @@ class LingerClient:
         ws = self._ws
         if ws is not None:
             await ws.close(1000, "client closed")
+        elif task is not None:
+            # Connecting or waiting to retry: nothing to close cleanly.
+            task.cancel()
         if task is not None:
             try:
                 await task
             except asyncio.CancelledError:
-                raise
+                if not task.cancelled():
+                    raise
             except Exception as e:
                 self._report(e)
         self._fail_requests(ClientClosed("the client is closed"))
@@ -233,7 +238,7 @@ class LingerClient:
     async def _run(self) -> None:
         attempt = 0
         first = True
-        while self._state.state is not ConnectionState.CLOSED:
+        while not self._closed():
             self._set_state(StateChange(ConnectionState.CONNECTING if first else ConnectionState.RECONNECTING))
             why: str
             try:
@@ -256,23 +261,25 @@ class LingerClient:
             except (OSError, InvalidHandshake, TimeoutError, asyncio.TimeoutError) as e:
                 why = f"cannot open the websocket: {e or type(e).__name__}"
             else:
-                if self._state.state is ConnectionState.CLOSED:
+                if self._closed():
                     await ws.close(1000, "client closed")
                     return
                 attempt = 0
                 first = False
                 why = await self._serve(ws)
-            if self._state.state is ConnectionState.CLOSED:
+            if self._closed():
                 return
             delay = self._backoff.delay(attempt)
             attempt += 1
             self._set_state(StateChange(ConnectionState.RECONNECTING, why=why, retry_in=delay))
             assert self._wake is not None
             self._wake.clear()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
-            except (asyncio.TimeoutError, TimeoutError):
-                pass
+
+    def _closed(self) -> bool:
+        # A method, not an inline test: the state changes across awaits.
+        return self._state.state is ConnectionState.CLOSED
 
     async def _serve(self, ws: ClientConnection) -> str:
         """Reads one socket until it goes away; returns why it did."""
@@ -389,11 +396,11 @@ class LingerClient:
         if conv is not None:
             await conv._frame(frame)
         elif kind == "error":
-            self._report(ServerError(str(frame.get("code")), str(frame.get("message")), cid if isinstance(cid, str) else None))
+            self._report(
+                ServerError(str(frame.get("code")), str(frame.get("message")), cid if isinstance(cid, str) else None)
+            )
 
-    def _adopt_created(
-        self, conversation_id: str, hooks: tuple[EventListener | None, ToolHandler | None]
-    ) -> None:
+    def _adopt_created(self, conversation_id: str, hooks: tuple[EventListener | None, ToolHandler | None]) -> None:
         conv = Conversation(self, conversation_id, mode="control", compact=False)
         on_event, on_tool_call = hooks
         if on_event is not None:

@@ -10,6 +10,7 @@ reconnect while the server still lists the call in `pending_calls`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -299,7 +300,7 @@ class Conversation:
                 "conversation_id": self.id,
                 "text": out.text,
                 "client_msg_id": out.client_msg_id,
-                "req": self._expect("msg", lambda f, out=out: self._on_message_reply(out, f)),
+                "req": self._expect("msg", functools.partial(self._on_message_reply, out)),
             }
             if not await self._client._send(frame):
                 out.sent = False
@@ -316,7 +317,7 @@ class Conversation:
             "call_id": call_id,
             "output": answer.output,
             "is_error": answer.is_error,
-            "req": self._expect("tool", lambda f: self._on_tool_reply(call_id, f)),
+            "req": self._expect("tool", functools.partial(self._on_tool_reply, call_id)),
         }
         if not await self._client._send(frame):
             answer.sent = False
@@ -482,7 +483,9 @@ class Conversation:
         if outcome is Applied.DUPLICATE:
             return
         if outcome is Applied.GAP:
-            self._client._report(SeqGap(f"{self.id}: got seq {ev.seq} after {self.transcript.last_seq}; attaching again"))
+            self._client._report(
+                SeqGap(f"{self.id}: got seq {ev.seq} after {self.transcript.last_seq}; attaching again")
+            )
             await self._resync()
             return
         if ev.kind == "tool_result":

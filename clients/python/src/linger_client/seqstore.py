@@ -8,6 +8,7 @@ processed: nothing missed, nothing twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -75,8 +76,6 @@ class JsonFileSeqStore:
                 json.dump(self._seqs, f)
             os.replace(tmp, self._path)
         except BaseException:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             raise

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 # agent_stopped and detached reasons (protocol section 4), in plain words.
 _STOP_WORDS = {
@@ -110,7 +110,7 @@ class Note:
     bad: bool = False
 
 
-Item = Union[UserMessage, AssistantText, ToolCall, Note]
+Item: TypeAlias = UserMessage | AssistantText | ToolCall | Note
 
 
 @dataclass
@@ -249,7 +249,14 @@ class Transcript:
         elif kind == "tool_call":
             target = str(d.get("target") or "")
             self.items.append(
-                ToolCall(ev.seq, ev.turn_id or "", str(d.get("call_id") or ""), str(d.get("name") or ""), d.get("args", {}), target)
+                ToolCall(
+                    ev.seq,
+                    ev.turn_id or "",
+                    str(d.get("call_id") or ""),
+                    str(d.get("name") or ""),
+                    d.get("args", {}),
+                    target,
+                )
             )
             if target == "client":
                 self.status = "waiting"

@@ -1,0 +1,70 @@
+"""The connection's state kept apart from the agent's, refused tokens,
+unknown conversations, and resuming from a persisted seq."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import Proxy, Server, within
+
+from linger_client import (
+    ConnectionState,
+    Event,
+    JsonFileSeqStore,
+    LingerClient,
+    Note,
+    ServerError,
+    Unauthorized,
+)
+
+
+async def test_a_refused_token_stops_retrying(server: Server) -> None:
+    client = LingerClient(server.http_url, token="")
+    with pytest.raises(Unauthorized):
+        await within(client.connect(), "the refusal")
+    assert client.state is ConnectionState.UNAUTHORIZED
+    await client.close()
+
+
+async def test_a_stopped_agent_is_not_a_lost_connection(client: LingerClient) -> None:
+    conv = await within(client.create(title="close me"), "created")
+    await within(conv.wait_until(lambda t: t.status == "idle"), "the agent started")
+    await within(conv.close(), "the close ack")
+    await within(conv.wait_until(lambda t: t.status == "stopped" and not conv.attached), "the stop")
+    assert conv.stop_reason == "closed"
+    assert conv.detach_reason == "closed"
+    assert client.state is ConnectionState.CONNECTED
+
+    # Sending resumes it.
+    ack = await within(conv.send("back again"), "the ack")
+    turn = await within(conv.wait_turn(ack.seq), "the turn")
+    assert turn.text == "back again"
+    assert conv.status == "idle"
+    assert any(isinstance(i, Note) and i.text == "Resumed." for i in conv.transcript.items)
+
+
+async def test_opening_an_unknown_conversation_fails(client: LingerClient) -> None:
+    with pytest.raises(ServerError) as e:
+        await within(client.open("c_does_not_exist"), "the error")
+    assert e.value.code == "not_found"
+    assert client.conversation("c_does_not_exist") is None
+
+
+async def test_a_new_process_resumes_after_the_persisted_seq(proxy: Proxy, tmp_path: Path) -> None:
+    store_path = tmp_path / "seqs.json"
+    async with LingerClient(proxy.http_url, token="alice", seq_store=JsonFileSeqStore(store_path)) as first:
+        conv = await within(first.create(title="persisted"), "created")
+        ack = await within(conv.send("one two"), "the ack")
+        await within(conv.wait_turn(ack.seq), "the first turn")
+        last = conv.last_seq
+        cid = conv.id
+
+    seen: list[Event] = []
+    async with LingerClient(proxy.http_url, token="alice", seq_store=JsonFileSeqStore(store_path)) as second:
+        conv = await within(second.open(cid, on_event=seen.append), "attached")
+        assert conv.last_seq == last
+        ack = await within(conv.send("three"), "the ack")
+        await within(conv.wait_turn(ack.seq), "the second turn")
+    assert seen[0].seq == last + 1, "nothing already processed comes again"
+    assert [e.seq for e in seen] == list(range(last + 1, last + 1 + len(seen)))
