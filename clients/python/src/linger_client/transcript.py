@@ -160,6 +160,13 @@ class Transcript:
     # this transcript never saw start.
     _turn_unknown: bool = False
     _was_stopped: bool = False
+    # Indexes, so that per-event checks do not scan the items.
+    _calls: dict[str, ToolCall] = field(default_factory=dict)
+    _pending: dict[str, ToolCall] = field(default_factory=dict)
+    # Replies still streaming, per turn (more than one when a tool call
+    # came between deltas).
+    _streaming: dict[str, list[AssistantText]] = field(default_factory=dict)
+    _turn_of_message: dict[int, str] = field(default_factory=dict)
 
     def begin_replay(self, replay_from: int, head_seq: int, compact: bool) -> None:
         """Called on `attached`: what the replay that follows may skip."""
@@ -190,19 +197,14 @@ class Transcript:
     # ---- views ----
 
     def pending_calls(self) -> list[ToolCall]:
-        return [i for i in self.items if isinstance(i, ToolCall) and i.pending]
+        return list(self._pending.values())
 
     def tool_call(self, call_id: str) -> ToolCall | None:
-        for i in self.items:
-            if isinstance(i, ToolCall) and i.call_id == call_id:
-                return i
-        return None
+        return self._calls.get(call_id)
 
     def turn_for_message(self, message_seq: int) -> Turn | None:
-        for t in self.turns.values():
-            if t.message_seq == message_seq:
-                return t
-        return None
+        tid = self._turn_of_message.get(message_seq)
+        return self.turns.get(tid) if tid is not None else None
 
     def text(self) -> str:
         """The transcript as plain text, one item a line."""
@@ -239,6 +241,8 @@ class Transcript:
             tid = ev.turn_id or f"?{ev.seq}"
             mseq = d.get("message_seq")
             self.turns[tid] = Turn(tid, mseq if isinstance(mseq, int) else None)
+            if isinstance(mseq, int):
+                self._turn_of_message[mseq] = tid
             self.open_turn = tid
             self._turn_unknown = False
             self.status = "running"
@@ -248,25 +252,28 @@ class Transcript:
             self._reply(ev.turn_id or "", str(d.get("text") or ""))
         elif kind == "tool_call":
             target = str(d.get("target") or "")
-            self.items.append(
-                ToolCall(
-                    ev.seq,
-                    ev.turn_id or "",
-                    str(d.get("call_id") or ""),
-                    str(d.get("name") or ""),
-                    d.get("args", {}),
-                    target,
-                )
+            call = ToolCall(
+                ev.seq,
+                ev.turn_id or "",
+                str(d.get("call_id") or ""),
+                str(d.get("name") or ""),
+                d.get("args", {}),
+                target,
             )
+            self.items.append(call)
+            self._calls[call.call_id] = call
             if target == "client":
+                self._pending[call.call_id] = call
                 self.status = "waiting"
         elif kind == "tool_result":
-            call = self.tool_call(str(d.get("call_id") or ""))
-            if call is not None:
-                call.answered = True
-                call.output = d.get("output")
-                call.is_error = bool(d.get("is_error"))
-            if self.status == "waiting" and not self.pending_calls():
+            call_id = str(d.get("call_id") or "")
+            self._pending.pop(call_id, None)
+            answered = self._calls.get(call_id)
+            if answered is not None:
+                answered.answered = True
+                answered.output = d.get("output")
+                answered.is_error = bool(d.get("is_error"))
+            if self.status == "waiting" and not self._pending:
                 self.status = "running"
         elif kind == "turn_finished":
             self._turn_finished(ev)
@@ -284,10 +291,12 @@ class Transcript:
         if isinstance(last, AssistantText) and last.turn_id == turn_id and not last.final:
             last.text += text
         else:
-            self.items.append(AssistantText(turn_id, text))
+            item = AssistantText(turn_id, text)
+            self.items.append(item)
+            self._streaming.setdefault(turn_id, []).append(item)
 
     def _reply(self, turn_id: str, text: str) -> None:
-        streamed = [i for i in self.items if isinstance(i, AssistantText) and i.turn_id == turn_id and not i.final]
+        streamed = self._streaming.pop(turn_id, [])
         keep = streamed.pop() if streamed else None
         for i in streamed:
             self.items.remove(i)
@@ -313,11 +322,12 @@ class Transcript:
         if self.open_turn == tid:
             self.open_turn = None
         self.status = "idle"
-        for i in self.items:
-            if isinstance(i, AssistantText) and i.turn_id == tid:
-                i.final = True
-            elif isinstance(i, ToolCall) and i.turn_id == tid and i.pending:
-                i.expired = True
+        for item in self._streaming.pop(tid, []):
+            item.final = True
+        for call in [c for c in self._pending.values() if c.turn_id == tid]:
+            # Its turn is over: the call can no longer be answered.
+            call.expired = True
+            del self._pending[call.call_id]
         note = _TURN_END_NOTES.get(status)
         if note:
             text = f"{note}: {turn.error}" if status == "failed" and turn.error else note
