@@ -39,7 +39,17 @@ class Server:
     process: asyncio.subprocess.Process
     host: str
     port: int
+    store: Path
     log: list[str] = field(default_factory=list)
+    drain: asyncio.Task[None] | None = None
+
+    async def kill(self) -> None:
+        """SIGKILL, as in a crash."""
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.process.wait()
+        if self.drain is not None:
+            await self.drain
 
     @property
     def http_url(self) -> str:
@@ -75,10 +85,12 @@ async def _drain(stream: asyncio.StreamReader, log: list[str], ready: asyncio.Fu
         ready.set_exception(RuntimeError("linger exited before listening:\n" + "\n".join(log)))
 
 
-@pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[Server]:
-    config = tmp_path / "linger.toml"
-    config.write_text(f'[server]\nlisten = "127.0.0.1:0"\n[store]\npath = {json.dumps(str(tmp_path / "store"))}\n')
+async def spawn_server(store: Path) -> Server:
+    """Starts `linger serve` on a free port with its store in `store` and
+    waits for `listening on ADDR`."""
+    store.mkdir(parents=True, exist_ok=True)
+    config = store / "linger-test.toml"
+    config.write_text(f'[server]\nlisten = "127.0.0.1:0"\n[store]\npath = {json.dumps(str(store))}\n')
     env = {**os.environ, "LINGER_LOG": "info", "NO_COLOR": "1"}
     process = await asyncio.create_subprocess_exec(
         str(linger_binary()),
@@ -96,12 +108,20 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
     drain = asyncio.create_task(_drain(process.stderr, log, ready))
     try:
         host, port = await asyncio.wait_for(ready, WAIT)
-        yield Server(process, host, port, log)
-    finally:
-        if process.returncode is None:
-            process.kill()
+    except BaseException:
+        process.kill()
         await process.wait()
-        await drain
+        raise
+    return Server(process, host, port, store, log, drain)
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    s = await spawn_server(tmp_path / "store")
+    try:
+        yield s
+    finally:
+        await s.kill()
 
 
 class Proxy:
@@ -169,6 +189,10 @@ class Proxy:
         """Holds back everything the server sends; the client's frames still
         reach the server."""
         self._downstream.clear()
+
+    def retarget(self, host: str, port: int) -> None:
+        """New connections go to another server (one restarted elsewhere)."""
+        self._target = (host, port)
 
     def heal(self) -> None:
         self._blocked = False

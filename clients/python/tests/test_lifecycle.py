@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Proxy, Server, within
+from conftest import Proxy, Server, spawn_server, within
 
 from linger_client import (
     ConnectionState,
@@ -68,3 +68,34 @@ async def test_a_new_process_resumes_after_the_persisted_seq(proxy: Proxy, tmp_p
         await within(conv.wait_turn(ack.seq), "the second turn")
     assert seen[0].seq == last + 1, "nothing already processed comes again"
     assert [e.seq for e in seen] == list(range(last + 1, last + 1 + len(seen)))
+
+
+async def test_a_server_crash_is_resumed_and_told_apart(server: Server, proxy: Proxy, client: LingerClient) -> None:
+    seen: list[Event] = []
+    conv = await within(client.create(title="crash", on_event=seen.append), "created")
+    ack = await within(conv.send("/stream 200 50"), "the ack")
+    await within(conv.wait_until(lambda t: sum(e.kind == "text_delta" for e in seen) >= 3), "three deltas")
+
+    await server.kill()
+    await within(conv.wait_until(lambda t: not conv.attached), "the socket lost")
+    assert client.state is not ConnectionState.CONNECTED
+    assert conv.status == "running", "a lost socket says nothing about the agent"
+
+    # The same store on a new port: the crash recovery closes the turn.
+    restarted = await spawn_server(server.store)
+    try:
+        proxy.retarget(restarted.host, restarted.port)
+        turn = await within(conv.wait_turn(ack.seq), "the interrupted turn")
+        assert turn.status == "interrupted"
+        await within(conv.wait_until(lambda t: t.status == "idle"), "the agent back")
+        assert client.connected
+        kinds = [e.kind for e in seen[-3:]]
+        assert kinds == ["turn_finished", "agent_stopped", "agent_started"]
+        assert seen[-2].data["reason"] == "restart_recovery"
+        seqs = [e.seq for e in seen]
+        assert seqs == list(range(1, seqs[-1] + 1))
+
+        ack = await within(conv.send("still here"), "the ack after the crash")
+        assert (await within(conv.wait_turn(ack.seq), "a new turn")).text == "still here"
+    finally:
+        await restarted.kill()
