@@ -49,8 +49,8 @@ install_python() {
     # a distribution's "externally managed" Python is left alone.
     rm -rf "$dest"
     mkdir -p "$(dirname "$dest")"
-    python3 -m pip install --quiet --disable-pip-version-check --no-input \
-        --root-user-action=ignore --target "$dest" "$ROOT/clients/python[test]"
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
+        --no-input --target "$dest" "$ROOT/clients/python[test]"
     echo "install-test-deps: Python client test dependencies in $dest"
 }
 

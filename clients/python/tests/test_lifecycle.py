@@ -99,3 +99,16 @@ async def test_a_server_crash_is_resumed_and_told_apart(server: Server, proxy: P
         assert (await within(conv.wait_turn(ack.seq), "a new turn")).text == "still here"
     finally:
         await restarted.kill()
+
+
+async def test_a_compact_open_rebuilds_the_same_transcript(client: LingerClient, proxy: Proxy) -> None:
+    conv = await within(client.create(title="compact"), "created")
+    ack = await within(conv.send("/stream 12 5"), "the ack")
+    await within(conv.wait_turn(ack.seq), "the turn")
+
+    async with LingerClient(proxy.http_url, token="alice") as other:
+        seen: list[Event] = []
+        again = await within(other.open(conv.id, compact=True, on_event=seen.append), "attached")
+        await within(again.wait_until(lambda t: t.last_seq >= conv.last_seq), "the replay")
+        assert again.transcript.text() == conv.transcript.text()
+        assert seen[-1].seq == conv.last_seq
