@@ -237,9 +237,9 @@ class LingerClient:
 
     async def _run(self) -> None:
         attempt = 0
-        first = True
+        self._set_state(StateChange(ConnectionState.CONNECTING))
         while not self._closed():
-            self._set_state(StateChange(ConnectionState.CONNECTING if first else ConnectionState.RECONNECTING))
+            # Between attempts the state stays RECONNECTING, with its reason.
             why: str
             try:
                 ws = await connect(
@@ -265,7 +265,6 @@ class LingerClient:
                     await ws.close(1000, "client closed")
                     return
                 attempt = 0
-                first = False
                 why = await self._serve(ws)
             if self._closed():
                 return

@@ -291,8 +291,9 @@ class Conversation:
             else:
                 self._client.start()
             return
-        for out in self._outbox:
-            if out.sent:
+        # A snapshot: acks may remove entries while a send awaits.
+        for out in list(self._outbox):
+            if out.sent or out not in self._outbox:
                 continue
             out.sent = True
             frame = {
