@@ -13,8 +13,10 @@ from linger_client import (
     Event,
     JsonFileSeqStore,
     LingerClient,
+    MemorySeqStore,
     Note,
     ServerError,
+    ToolCall,
     Unauthorized,
 )
 
@@ -112,3 +114,31 @@ async def test_a_compact_open_rebuilds_the_same_transcript(client: LingerClient,
         await within(again.wait_until(lambda t: t.last_seq >= conv.last_seq), "the replay")
         assert again.transcript.text() == conv.transcript.text()
         assert seen[-1].seq == conv.last_seq
+
+
+async def test_a_new_process_answers_a_call_made_before_its_history(proxy: Proxy) -> None:
+    seqs = MemorySeqStore()
+    async with LingerClient(proxy.http_url, token="alice", seq_store=seqs) as first:
+        conv = await within(first.create(title="orphan"), "created")
+        ack = await within(conv.send('/ask lookup {"id":7}'), "the ack")
+        await within(conv.wait_until(lambda t: t.status == "waiting"), "the tool call")
+        cid = conv.id
+    # The first process is gone without answering; the next one knows only
+    # the seq it reached, not the call: the server's pending_calls and the
+    # REST history tell it.
+    answered: list[object] = []
+
+    def lookup(call: ToolCall) -> object:
+        answered.append(call.args)
+        return {"found": call.args["id"]}
+
+    async with LingerClient(proxy.http_url, token="alice", seq_store=seqs) as second:
+        conv = await within(second.open(cid, on_tool_call=lookup), "attached")
+        # Its turn began before this client's history: known by its end.
+        await within(conv.wait_until(lambda t: t.status == "idle"), "the end of the turn")
+        (turn,) = conv.transcript.turns.values()
+        assert (turn.status, turn.text) == ("completed", 'lookup returned {"found":7}')
+        assert ack.seq < conv.transcript.last_seq
+    assert answered == [{"id": 7}]
+    summaries = await second.rest.list_conversations()
+    assert [s.id for s in summaries] == [cid]

@@ -14,6 +14,7 @@ from .errors import (
     ToolError,
     Unauthorized,
 )
+from .rest import Rest, Summary, http_url
 from .seqstore import JsonFileSeqStore, MemorySeqStore, SeqStore
 from .transcript import (
     Applied,
@@ -46,16 +47,19 @@ __all__ = [
     "MemorySeqStore",
     "Note",
     "ReadOnly",
+    "Rest",
     "SeqGap",
     "SeqStore",
     "ServerError",
     "StateChange",
+    "Summary",
     "ToolCall",
     "ToolError",
     "Transcript",
     "Turn",
     "Unauthorized",
     "UserMessage",
+    "http_url",
     "reason_words",
     "socket_url",
 ]

@@ -27,6 +27,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from .backoff import Backoff
 from .conversation import Conversation, EventListener, ToolHandler
 from .errors import ClientClosed, ConnectionLost, ServerError, Unauthorized
+from .rest import Rest
 from .seqstore import MemorySeqStore, SeqStore
 
 log = logging.getLogger("linger_client")
@@ -95,6 +96,8 @@ class LingerClient:
     ) -> None:
         self.url = socket_url(url)
         self._token = token
+        # REST reads: the list, history without activating, deletes.
+        self.rest = Rest(url, token)
         self.seq_store: SeqStore = seq_store if seq_store is not None else MemorySeqStore()
         self._backoff = backoff or Backoff()
         self._ping_interval = ping_interval

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import inspect
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +85,7 @@ class Conversation:
         self._outbox: list[_Outgoing] = []
         self._answers: dict[str, _Answer] = {}
         self._tool_tasks: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self._tool_handler: ToolHandler | None = None
         self._listeners: list[EventListener] = []
         self._attach_waiters: list[asyncio.Future[None]] = []
@@ -360,7 +361,7 @@ class Conversation:
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(error)
-        for task in self._tool_tasks.values():
+        for task in [*self._tool_tasks.values(), *self._background]:
             task.cancel()
         self._notify()
 
@@ -518,19 +519,59 @@ class Conversation:
         att = self._attachment
         if not self.attached or self.transcript.last_seq < att.head_seq:
             return
+        if self._tool_handler is None or self.mode != "control":
+            return
         if not att.tools_checked:
             att.tools_checked = True
             unknown = att.server_pending - {c.call_id for c in self.pending_calls}
             if unknown:
-                self._client._report(
-                    LingerError(f"{self.id}: pending tool calls {sorted(unknown)} are older than this client's history")
-                )
-        if self._tool_handler is None or self.mode != "control":
-            return
+                self._spawn(self._recover_calls(unknown))
         for call in self.pending_calls:
-            if call.call_id not in self._tool_tasks and call.call_id not in self._answers:
-                task = asyncio.get_running_loop().create_task(self._run_tool(call))
-                self._tool_tasks[call.call_id] = task
+            self._start_tool(call)
+
+    def _start_tool(self, call: ToolCall) -> None:
+        if call.call_id not in self._tool_tasks and call.call_id not in self._answers:
+            self._tool_tasks[call.call_id] = asyncio.get_running_loop().create_task(self._run_tool(call))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _recover_calls(self, unknown: set[str]) -> None:
+        """Pending calls made before this client's history began (it resumed
+        from a persisted seq): their `tool_call` events come from REST."""
+        after = 0
+        try:
+            while unknown:
+                events, head = await self._client.rest.events(self.id, after)
+                for ev in events:
+                    call_id = ev.data.get("call_id")
+                    if ev.kind == "tool_call" and call_id in unknown and ev.data.get("target") == "client":
+                        unknown.discard(str(call_id))
+                        d = ev.data
+                        call = ToolCall(
+                            ev.seq,
+                            ev.turn_id or "",
+                            str(call_id),
+                            str(d.get("name") or ""),
+                            d.get("args", {}),
+                            "client",
+                        )
+                        self._start_tool(call)
+                if not events or events[-1].seq >= head:
+                    break
+                after = events[-1].seq
+        except LingerError as e:
+            self._client._report(e)
+            return
+        except OSError as e:
+            self._client._report(LingerError(f"{self.id}: cannot read the history of pending tool calls: {e}"))
+            return
+        if unknown:
+            self._client._report(
+                LingerError(f"{self.id}: pending tool calls {sorted(unknown)} not found in the history")
+            )
 
     async def _run_tool(self, call: ToolCall) -> None:
         handler = self._tool_handler
@@ -546,6 +587,8 @@ class Conversation:
         except Exception as e:
             self._client._report(e)
             answer = _Answer({"error": f"{type(e).__name__}: {e}"}, True)
+        # Answered elsewhere, or its turn ended, while the handler ran (for
+        # a call recovered from REST the server says so: `unknown_call`).
         if not call.pending or self._ended is not None:
             return
         self._answers[call.call_id] = answer

@@ -307,9 +307,8 @@ class Transcript:
             if keep is not None:
                 self.items.remove(keep)
             self.items.append(AssistantText(turn_id, text, final=True))
-        turn = self.turns.get(turn_id)
-        if turn is not None:
-            turn.text = text
+        # A turn that began before this transcript's history is known from here.
+        self.turns.setdefault(turn_id, Turn(turn_id, None)).text = text
 
     def _turn_finished(self, ev: Event) -> None:
         d = ev.data
