@@ -6,18 +6,27 @@
 //! Their dependencies (websockets, pytest, pytest-asyncio) are installed
 //! under the target directory by `scripts/install-test-deps.sh python DIR`
 //! when missing or when `clients/python/pyproject.toml` changed. Without
-//! python3 the test says it skipped and passes; any other failure to set up
-//! or run pytest fails it, "no tests collected" included.
+//! python3 (3.10 or later) the test says it skipped and passes; any other
+//! failure to set up or run pytest fails it, "no tests collected" included.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn python3() -> Option<String> {
-    let version = Command::new("python3").arg("--version").output().ok()?;
-    version
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&version.stdout).trim().to_owned())
+/// The version of `python3`, or why the tests cannot run with it.
+fn python3() -> Result<String, String> {
+    let check = "import sys; print(sys.version.split()[0]); sys.exit(sys.version_info < (3, 10))";
+    let output = Command::new("python3")
+        .args(["-c", check])
+        .output()
+        .map_err(|e| format!("python3 is not installed ({e})"))?;
+    let version = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    if output.status.success() {
+        Ok(version)
+    } else {
+        Err(format!(
+            "python3 {version} is older than 3.10, which the client needs"
+        ))
+    }
 }
 
 fn show(output: &Output) -> String {
@@ -56,9 +65,12 @@ fn ensure_deps(root: &Path, deps: &Path) {
 
 #[test]
 fn python_client_tests_pass() {
-    let Some(version) = python3() else {
-        println!("skipped: python3 is not installed, so the Python client's tests did not run");
-        return;
+    let version = match python3() {
+        Ok(version) => version,
+        Err(why) => {
+            println!("skipped: {why}, so the Python client's tests did not run");
+            return;
+        }
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let deps: PathBuf = Path::new(env!("CARGO_TARGET_TMPDIR")).join("python-client-deps");
@@ -78,7 +90,7 @@ fn python_client_tests_pass() {
         .output()
         .expect("run pytest");
     let text = show(&output);
-    println!("{version}\n{text}");
+    println!("python {version}\n{text}");
     // pytest: 0 all passed, 5 nothing collected (a failure here too).
     match output.status.code() {
         Some(0) => {}
