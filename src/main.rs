@@ -68,26 +68,49 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// SIGTERM and Ctrl-C, listened for from before the server starts: a
+/// signal that came while it was starting would otherwise kill the process
+/// the default way, with no graceful shutdown at all.
+struct ShutdownSignals {
     #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
+    streams: Vec<tokio::signal::unix::Signal>,
+}
+
+impl ShutdownSignals {
+    fn install() -> ShutdownSignals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut streams = Vec::new();
+            for (kind, name) in [
+                (SignalKind::terminate(), "SIGTERM"),
+                (SignalKind::interrupt(), "SIGINT"),
+            ] {
+                match signal(kind) {
+                    Ok(stream) => streams.push(stream),
+                    Err(e) => eprintln!("linger: cannot listen for {name}: {e}"),
                 }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            }
+            ShutdownSignals { streams }
         }
+        #[cfg(not(unix))]
+        ShutdownSignals {}
     }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
+
+    async fn wait(self) {
+        #[cfg(unix)]
+        {
+            let mut streams = self.streams;
+            if streams.is_empty() {
+                return std::future::pending().await;
+            }
+            let any = streams.iter_mut().map(|s| Box::pin(s.recv()));
+            futures_util::future::select_all(any).await;
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -120,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     init_logging(config.log.format);
+    let signals = ShutdownSignals::install();
     let server = match Server::start(config).await {
         Ok(server) => server,
         Err(e) => {
@@ -127,7 +151,7 @@ async fn main() -> anyhow::Result<()> {
             std::process::exit(1);
         }
     };
-    shutdown_signal().await;
+    signals.wait().await;
     server.shutdown().await;
     Ok(())
 }

@@ -92,6 +92,7 @@ pub struct Server {
     sockets: TaskTracker,
     http: JoinHandle<()>,
     prune: JoinHandle<()>,
+    probe: JoinHandle<()>,
     agent: Arc<dyn Agent>,
     /// Held until the process exits: the store is this server's alone.
     _lock: StoreLock,
@@ -118,6 +119,20 @@ async fn prune_loop(store: Arc<dyn Store>, retain: Duration) {
     }
 }
 
+/// While the store cannot write, probes it now and then so that its health
+/// (and `/healthz`) turns good again by itself once space is freed, even if
+/// no conversation tries to write.
+async fn probe_loop(store: Arc<dyn Store>) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        if store.health().is_err() {
+            let _ = store.probe().await;
+        }
+    }
+}
+
 fn build_agent(config: &Config) -> Result<Arc<dyn Agent>, StartError> {
     match config.agent.kind {
         AgentKind::Demo => Ok(Arc::new(DemoAgent)),
@@ -130,6 +145,15 @@ fn build_agent(config: &Config) -> Result<Arc<dyn Agent>, StartError> {
 
 impl Server {
     pub async fn start(config: Config) -> Result<Server, StartError> {
+        Server::start_with_store(config, |store| store).await
+    }
+
+    /// [`Server::start`] with the opened store wrapped by `wrap` (a test
+    /// injects store faults this way).
+    pub async fn start_with_store(
+        config: Config,
+        wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>,
+    ) -> Result<Server, StartError> {
         let config = Arc::new(config);
         // Install the recorder before anything counts.
         crate::metrics::handle();
@@ -153,7 +177,7 @@ impl Server {
             path: path.display().to_string(),
             source,
         };
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&path).map_err(store_err)?);
+        let store: Arc<dyn Store> = wrap(Arc::new(SqliteStore::open(&path).map_err(store_err)?));
         let recovered = crate::recovery::recover(&store).await.map_err(store_err)?;
         if recovered > 0 {
             info!(
@@ -162,6 +186,7 @@ impl Server {
             );
         }
         let prune = tokio::spawn(prune_loop(store.clone(), config.store.retain));
+        let probe = tokio::spawn(probe_loop(store.clone()));
         let agent = build_agent(&config)?;
         let auth = Authenticator::from_config(&config.auth).map_err(StartError::Auth)?;
         let (supervisor, _) = Actor::spawn(
@@ -217,6 +242,7 @@ impl Server {
             sockets,
             http,
             prune,
+            probe,
             agent,
             _lock: lock,
         })
@@ -258,6 +284,7 @@ impl Server {
         }
         self.sockets_stop.cancel();
         self.prune.abort();
+        self.probe.abort();
         self.supervisor.stop(None);
         let _ = tokio::time::timeout(Duration::from_secs(2), self.http).await;
         info!("shutdown complete");

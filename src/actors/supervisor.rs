@@ -47,6 +47,7 @@ impl ActivateError {
             ActivateError::NotFound => ErrorCode::NotFound,
             ActivateError::ObserveOnly => ErrorCode::ReadOnly,
             ActivateError::LimitReached { .. } => ErrorCode::LimitReached,
+            ActivateError::Store(e) if e.is_unavailable() => ErrorCode::StoreUnavailable,
             ActivateError::ShuttingDown | ActivateError::Store(_) | ActivateError::Internal(_) => {
                 ErrorCode::Internal
             }

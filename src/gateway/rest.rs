@@ -38,6 +38,8 @@ pub enum ApiError {
     #[error("{0}")]
     LimitReached(String),
     #[error("{0}")]
+    StoreUnavailable(String),
+    #[error("{0}")]
     Internal(String),
 }
 
@@ -45,6 +47,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::NotFound(_) => ApiError::NotFound,
+            e if e.is_unavailable() => ApiError::StoreUnavailable(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -55,6 +58,7 @@ impl From<ActivateError> for ApiError {
         match e {
             ActivateError::NotFound | ActivateError::ObserveOnly => ApiError::NotFound,
             e @ ActivateError::LimitReached { .. } => ApiError::LimitReached(e.to_string()),
+            ActivateError::Store(e) => e.into(),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -74,6 +78,9 @@ impl IntoResponse for ApiError {
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
+            ApiError::StoreUnavailable(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+            }
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         error_response(status, code, &self.to_string())
@@ -252,11 +259,18 @@ pub async fn create(
     )
     .await?;
     app.store.flush().await?;
-    let meta = app
-        .store
-        .get(&activated.id)
-        .await?
-        .ok_or(ApiError::NotFound)?;
+    let meta = match app.store.get(&activated.id).await? {
+        Some(meta) => meta,
+        // Its first append failed: the store says why.
+        None => {
+            return Err(match app.store.health() {
+                Err(reason) => ApiError::StoreUnavailable(format!(
+                    "the conversation could not be created: store unavailable: {reason}"
+                )),
+                Ok(()) => ApiError::Internal("the conversation was not recorded".into()),
+            })
+        }
+    };
     Ok((StatusCode::CREATED, Json(Summary::from(&meta))).into_response())
 }
 
@@ -315,8 +329,17 @@ pub async fn add_observer(
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub async fn healthz() -> &'static str {
-    "ok\n"
+/// 200 while serving; 503 with the reason while the store cannot write
+/// (reads still work, but nothing new can be recorded).
+pub async fn healthz(State(app): State<AppState>) -> Response {
+    match app.store.health() {
+        Ok(()) => "ok\n".into_response(),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("store unavailable: {reason}\n"),
+        )
+            .into_response(),
+    }
 }
 
 pub async fn metrics() -> Response {
