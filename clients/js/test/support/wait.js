@@ -38,3 +38,12 @@ export function gate() {
   });
   return { promise, open };
 }
+
+// A promise, bounded like until() so a hang fails and says what it was.
+export function within(what, promise) {
+  let timer;
+  const bound = new Promise((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`waited ${WAIT_MS} ms for ${what}`)), WAIT_MS);
+  });
+  return Promise.race([promise, bound]).finally(() => clearTimeout(timer));
+}
