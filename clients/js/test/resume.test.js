@@ -7,7 +7,7 @@
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
 
-import { LingerClient } from '../src/index.js';
+import { LingerClient, localStorageStore } from '../src/index.js';
 import { startLinger } from './support/linger.js';
 import { startProxy } from './support/proxy.js';
 import { gate, until, within } from './support/wait.js';
@@ -270,6 +270,49 @@ test('open(id, {compact}) passes compact on and rebuilds the transcript', async 
   assert.equal(attach.compact, true);
   assert.equal(attach.mode, 'observe');
   await assert.rejects(opened.send('nope'), { code: 'read_only' });
+});
+
+// A Storage over a Map, as a browser's localStorage behaves.
+function fakeStorage() {
+  const data = new Map();
+  return {
+    getItem: (k) => (data.has(k) ? data.get(k) : null),
+    setItem: (k, v) => data.set(k, String(v)),
+    removeItem: (k) => data.delete(k),
+    key: (i) => [...data.keys()][i] ?? null,
+    get length() {
+      return data.size;
+    },
+  };
+}
+
+test('a new client with the stored seq and transcript resumes where the last one stopped', async () => {
+  const storage = fakeStorage();
+  const first = new LingerClient({ url: proxy.url, token: 'gina', store: localStorageStore({ storage }), ...FAST });
+  clients.push(first);
+  await first.connect();
+  const conv = await first.create({ title: 'reload' });
+  await conv.send('/stream 30 30');
+  await until('the stream to start', () => lastAssistant(conv)?.text.includes('tok5 '), [[conv, 'event']]);
+  // A reload: the page goes away (its store flushed on pagehide).
+  first.disconnect();
+  first.store.flush();
+  const kept = conv.lastSeq;
+
+  const second = new LingerClient({ url: proxy.url, token: 'gina', store: localStorageStore({ storage }), ...FAST });
+  clients.push(second);
+  await second.connect();
+  const again = second.conversation(conv.id);
+  assert.notEqual(again, conv);
+  assert.equal(again.lastSeq, kept, 'the stored seq');
+  assert.ok(lastAssistant(again).text.includes('tok5 '), 'the stored transcript');
+  const seen = record(again);
+  const reply = await again.attach();
+  assert.equal(reply.replay_from, kept + 1);
+  await until('the whole reply', () => lastAssistant(again)?.final, [[again, 'event']]);
+  assert.equal(seen[0].seq, kept + 1, 'only what was missed');
+  assert.equal(lastAssistant(again).text, streamText(30));
+  assert.equal(again.transcript.items.filter((i) => i.kind === 'assistant').length, 1);
 });
 
 test('a refused token is reported, not retried', async () => {
