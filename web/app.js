@@ -590,8 +590,9 @@ async function refreshList() {
 $('token-form').addEventListener('submit', (ev) => {
   ev.preventDefault();
   const token = $('token').value.trim();
+  // The open conversation's handle belongs to the client being replaced.
+  closeView();
   if (token !== getToken()) {
-    closeView();
     store.removeAll();
     history.replaceState(null, '', location.pathname + location.search);
   }
@@ -601,6 +602,7 @@ $('token-form').addEventListener('submit', (ev) => {
   startClient();
   renderList();
   refreshList();
+  route();
 });
 
 $('new-form').addEventListener('submit', async (ev) => {
