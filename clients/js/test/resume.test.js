@@ -256,6 +256,22 @@ test('the agent stopping is not the connection going down', async () => {
   assert.ok(conv.transcript.items.some((i) => i.kind === 'resumed'));
 });
 
+test('stop() ends the running turn and resolves with its ack', async () => {
+  const client = await viaProxy('hank');
+  const conv = await client.create({ title: 'stop' });
+  await conv.send('/sleep 30s');
+  await until('the turn to run', () => conv.status === 'running', [[conv, 'status']]);
+  const ack = await conv.stop();
+  assert.equal(ack.type, 'ack');
+  await until(
+    'the stopped turn',
+    () => conv.transcript.items.some((i) => i.kind === 'turn_end' && i.status === 'stopped'),
+    [[conv, 'event']],
+  );
+  assert.equal(conv.status, 'idle');
+  assert.equal(client.state, 'connected');
+});
+
 test('open(id, {compact}) passes compact on and rebuilds the transcript', async () => {
   const writer = await direct('frank');
   const conv = await writer.create({ title: 'compact' });
