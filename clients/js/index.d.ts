@@ -95,6 +95,7 @@ export interface TranscriptSnapshot {
   status: AgentStatus | null;
   stopReason: string | null;
   wasStopped: boolean;
+  turnId: string | null;
 }
 
 /** A conversation rebuilt from its events, each seq applied once. */

@@ -29,6 +29,8 @@ export class Conversation extends Emitter {
     this.replayHead = 0;
     this.compactReplay = false;
     this.resyncing = false;
+    // lastSeq when a gap last made it attach again.
+    this.resyncedAt = null;
     this.detachReason = null;
     // Messages not acknowledged yet, in send order.
     this.outbox = [];
@@ -160,7 +162,8 @@ export class Conversation extends Emitter {
   sendAttach() {
     if (!this.wanted || !this.client.connected || this.attachReq !== null) return;
     const frame = { type: 'attach', conversation_id: this.id, last_seq: this.lastSeq, mode: this.mode };
-    if (this.compact) frame.compact = true;
+    // Not after a gap: the full replay is the one to trust then.
+    if (this.compact && !this.resyncing) frame.compact = true;
     const req = this.client.nextReq();
     this.attachReq = req;
     this.client.request({ ...frame, req }).catch((err) => {
@@ -250,16 +253,23 @@ export class Conversation extends Emitter {
     if (typeof f.seq !== 'number' || f.seq <= this.lastSeq) return;
     if (f.seq > this.lastSeq + 1) {
       // A compact replay leaves out finished turns' text_delta: gaps are
-      // allowed there and nowhere else.
-      const allowed = this.compactReplay && f.seq <= this.replayHead;
+      // allowed there, inside a turn, and nowhere else.
+      const allowed = this.compactReplay && f.seq <= this.replayHead && this.transcript.turnId !== null;
       if (!allowed) {
-        if (!this.resyncing) {
+        // Waiting for the new attachment: the old one's frames may still come.
+        if (this.resyncing) return;
+        if (this.resyncedAt !== this.lastSeq) {
           this.resyncing = true;
+          this.resyncedAt = this.lastSeq;
           this.emit('error', new LingerError('gap', `expected seq ${this.lastSeq + 1}, got ${f.seq}: attaching again`));
           this.attached = false;
           this.sendAttach();
+          return;
         }
-        return;
+        // Attaching again from here (in full) did not help: show the gap
+        // rather than ask for the same replay for ever.
+        this.emit('error', new LingerError('gap', `seq ${this.lastSeq + 1} to ${f.seq - 1} are missing`));
+        this.transcript.gap(f.seq);
       }
     }
     this.applyEvent(f, { replay: f.seq <= this.replayHead });

@@ -30,6 +30,8 @@ export class Transcript extends Emitter {
     this.stopReason = null;
     // Seen agent_stopped and no agent_started since.
     this.wasStopped = false;
+    // The turn started and not finished yet, if any.
+    this.turnId = null;
   }
 
   toJSON() {
@@ -41,6 +43,7 @@ export class Transcript extends Emitter {
       status: this.status,
       stopReason: this.stopReason,
       wasStopped: this.wasStopped,
+      turnId: this.turnId,
     };
   }
 
@@ -56,6 +59,7 @@ export class Transcript extends Emitter {
     t.status = data.status || null;
     t.stopReason = data.stopReason || null;
     t.wasStopped = !!data.wasStopped;
+    t.turnId = typeof data.turnId === 'string' ? data.turnId : null;
     return t;
   }
 
@@ -120,6 +124,7 @@ export class Transcript extends Emitter {
         break;
       case 'turn_started':
         this.status = 'running';
+        this.turnId = d.turn_id || null;
         break;
       case 'text_delta': {
         const last = this.items[this.items.length - 1];
@@ -165,6 +170,7 @@ export class Transcript extends Emitter {
         break;
       case 'agent_stopped':
         this.status = 'stopped';
+        this.turnId = null;
         this.wasStopped = true;
         this.stopReason = d.reason || null;
         this.add({ kind: 'stopped', key: `n${ev.seq}`, seq: ev.seq, reason: d.reason || null });
@@ -196,6 +202,7 @@ export class Transcript extends Emitter {
 
   turnFinished(seq, d) {
     this.status = 'idle';
+    if (this.turnId === d.turn_id) this.turnId = null;
     for (const i of this.items) {
       if (i.turnId !== d.turn_id) continue;
       if (i.kind === 'assistant' && !i.final) {

@@ -55,6 +55,13 @@ test('duplicates are dropped and a gap in a normal attach makes it attach again'
   assert.equal(again.last_seq, 3, 'attaches again from the last seq applied');
   conv.onEventFrame(ev(6, 'agent_started'));
   assert.deepEqual(errors, ['gap'], 'one re-attach for one gap');
+  // The same gap after attaching again: shown, not asked for again.
+  attached(conv, { head_seq: 6, replay_from: 4 });
+  conv.onEventFrame(ev(5, 'agent_started'));
+  assert.deepEqual(seqs, [1, 2, 3, 5]);
+  assert.deepEqual(errors, ['gap', 'gap']);
+  assert.equal(client.frames.filter((f) => f.type === 'attach').length, 2);
+  assert.ok(conv.transcript.items.some((i) => i.kind === 'gap'));
 });
 
 test('a compact replay may skip the text_delta of finished turns, and only the replay', () => {
@@ -81,6 +88,21 @@ test('a compact replay may skip the text_delta of finished turns, and only the r
       ['assistant', 'hello there'],
     ],
   );
+});
+
+test('a compact replay may not skip anything outside a turn', () => {
+  const client = fakeClient();
+  const conv = new Conversation(client, 'c_1', { compact: true });
+  const seqs = [];
+  conv.onEvent((e) => seqs.push(e.seq));
+  conv.attach();
+  attached(conv, { head_seq: 8, replay_from: 1, compact: true });
+  conv.onEventFrame(ev(1, 'conversation_created'));
+  conv.onEventFrame(ev(3, 'agent_started'));
+  assert.deepEqual(seqs, [1]);
+  const attaches = client.frames.filter((f) => f.type === 'attach');
+  assert.equal(attaches.length, 2, 'attaches again');
+  assert.equal(attaches[1].compact, undefined, 'in full this time');
 });
 
 test('without compact: true in the reply, gaps are not allowed even in the replay', () => {
