@@ -156,8 +156,20 @@ export interface ClientOptions {
   connectTimeoutMs?: number;
 }
 
+/** linger's REST endpoints (protocol §2), with the client's token. */
+export interface Rest {
+  list(): Promise<ConversationSummary[]>;
+  /** Creates and activates one without attaching (the websocket's create attaches). */
+  create(options?: { title?: string }): Promise<ConversationSummary>;
+  get(id: string): Promise<ConversationSummary>;
+  delete(id: string): Promise<null>;
+  addObserver(id: string, user: string): Promise<null>;
+  events(id: string, after?: number): Promise<LingerEvent[]>;
+}
+
 export class LingerClient {
   constructor(options: ClientOptions);
+  readonly rest: Rest;
   readonly state: ConnectionState;
   readonly connected: boolean;
   readonly store: SeqStore;

@@ -73,6 +73,7 @@ export class Conversation extends Emitter {
   // `attached` reply. Re-attaches by itself after every reconnect until
   // detach() or the server detaches it.
   attach() {
+    if (this.client.state === 'idle') this.client.connect().catch(() => {});
     this.wanted = true;
     this.detachReason = null;
     const promise = new Promise((resolve, reject) => this.attachWaiters.push({ resolve, reject }));
