@@ -129,11 +129,17 @@ export class Conversation extends Emitter {
 
   // Answers a client tool call by hand (instead of onToolCall).
   answer(callId, output, { isError = false } = {}) {
-    this.answers.set(callId, { state: 'manual' });
+    const manual = { state: 'manual' };
+    this.answers.set(callId, manual);
     return this.control({ type: 'tool_result', conversation_id: this.id, call_id: callId, output, is_error: isError }).then(
       (ack) => {
         this.owed.delete(callId);
         return ack;
+      },
+      (err) => {
+        // Not answered: a handler may still take it.
+        if (this.answers.get(callId) === manual) this.answers.delete(callId);
+        throw err;
       },
     );
   }
