@@ -137,6 +137,35 @@ test('a stream survives a socket dropped mid-turn: no gap, no duplicate', async 
   assert.equal(conv.transcript.items.filter((i) => i.kind === 'user').length, 1);
 });
 
+test('a network gone silent is noticed by the heartbeat, and the stream resumes', async () => {
+  const client = new LingerClient({
+    url: proxy.url,
+    token: 'ivan',
+    WebSocket: RecordingWebSocket,
+    ...FAST,
+    heartbeat: { everyMs: 50, silenceMs: 400 },
+    connectTimeoutMs: 1000,
+  });
+  clients.push(client);
+  await client.connect();
+  const conv = await client.create({ title: 'silent network' });
+  await conv.send('/stream 30 30');
+  await until('the stream to start', () => lastAssistant(conv)?.text.includes('tok5 '), [[conv, 'event']]);
+  let why = null;
+  client.on('state', (state, detail) => {
+    if (state === 'reconnecting' && !why) why = detail.why;
+  });
+  // Nothing more reaches the client, and no close either.
+  proxy.holdDownstream();
+  await until('the heartbeat to give up', () => why, [[client, 'state']]);
+  assert.equal(why, 'no answer from the server');
+  assert.equal(conv.status, 'running');
+  proxy.cut();
+  proxy.heal();
+  await until('the whole reply', () => lastAssistant(conv)?.final, [[conv, 'event']]);
+  assert.equal(lastAssistant(conv).text, streamText(30));
+});
+
 test('a message whose ack was lost is resent and acknowledged once', async () => {
   const client = await viaProxy('bob');
   const conv = await client.create({ title: 'lost ack' });
