@@ -1,8 +1,9 @@
 // The client against a real linger behind a proxy the test cuts: a stream
-// that survives a dropped socket with no gap and no duplicate, a message
-// whose ack was lost resent and acknowledged once, client tool calls
-// answered after a reconnect, and the connection's state kept apart from
-// the agent's status.
+// that survives a dropped socket (or a network gone silent) with no gap and
+// no duplicate, a message whose ack was lost resent and acknowledged once,
+// client tool calls answered after a reconnect, the connection's state kept
+// apart from the agent's status, compact attach passed on, and a new client
+// resuming from the seq and transcript a store kept.
 
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
