@@ -40,7 +40,7 @@ pub struct AppState {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/", get(web::index))
-        .route("/web/{file}", get(web::asset))
+        .route("/web/{*file}", get(web::asset))
         .route("/v1/ws", get(ws::upgrade))
         .route("/v1/conversations", get(rest::list).post(rest::create))
         .route(
