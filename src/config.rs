@@ -169,6 +169,10 @@ pub struct LimitsConfig {
     pub max_connections_per_user: usize,
     pub messages_per_second: u32,
     pub messages_burst: u32,
+    /// A client that reads nothing for this long while frames wait for it
+    /// is closed with 4008 (slow consumer).
+    #[serde(with = "humantime_serde")]
+    pub slow_consumer_patience: Duration,
 }
 
 impl Default for LimitsConfig {
@@ -179,6 +183,7 @@ impl Default for LimitsConfig {
             max_connections_per_user: 32,
             messages_per_second: 20,
             messages_burst: 40,
+            slow_consumer_patience: Duration::from_secs(30),
         }
     }
 }
@@ -255,6 +260,9 @@ impl Config {
         }
         if self.limits.messages_per_second == 0 {
             return bad("limits.messages_per_second", "must be at least 1");
+        }
+        if self.limits.slow_consumer_patience.is_zero() {
+            return bad("limits.slow_consumer_patience", "must be more than 0s");
         }
         if self.limits.messages_burst == 0 {
             return bad("limits.messages_burst", "must be at least 1");

@@ -14,8 +14,8 @@ use super::auth::Caller;
 use super::AppState;
 use crate::actors::supervisor::{create_conversation, ActivateError, SupervisorMsg, CALL_TIMEOUT};
 use crate::event::StartReason;
-use crate::protocol::{StopReason, MAX_TITLE_CHARS};
-use crate::store::{workspace_dir, ConversationMeta, StoreError};
+use crate::protocol::MAX_TITLE_CHARS;
+use crate::store::{ConversationMeta, StoreError};
 
 /// Most events one `/events` call returns.
 const MAX_EVENTS_PAGE: usize = 10_000;
@@ -280,28 +280,25 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     owned(&app, &caller, &id).await?;
-    let stopped = app
+    let deleted = app
         .supervisor
         .call(
-            |reply| SupervisorMsg::Stop {
+            |reply| SupervisorMsg::Delete {
                 id: id.clone(),
-                reason: StopReason::Deleted,
-                reply: Some(reply),
+                reply,
             },
             Some(CALL_TIMEOUT),
         )
         .await;
-    if !matches!(stopped, Ok(CallResult::Success(()))) {
-        return Err(ApiError::Internal(
-            "the conversation did not stop in time".into(),
-        ));
-    }
-    app.store.delete(&id).await?;
-    let workspace = workspace_dir(&app.config.store.path, &id);
-    match tokio::fs::remove_dir_all(&workspace).await {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(ApiError::Internal(format!("removing the workspace: {e}"))),
+    match deleted {
+        Ok(CallResult::Success(Ok(true))) => {}
+        Ok(CallResult::Success(Ok(false))) => return Err(ApiError::NotFound),
+        Ok(CallResult::Success(Err(e))) => return Err(e.into()),
+        _ => {
+            return Err(ApiError::Internal(
+                "the conversation was not deleted in time".into(),
+            ))
+        }
     }
     Ok(StatusCode::NO_CONTENT)
 }

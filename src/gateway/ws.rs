@@ -107,7 +107,10 @@ async fn refuse_too_many(mut socket: WebSocket, app: &AppState) {
 async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let id = app.next_connection.fetch_add(1, Ordering::Relaxed);
     let (sink, mut stream) = socket.split();
-    let (outbound, receiver) = outbound::channel(app.config.limits.max_outbound_frames);
+    let (outbound, receiver) = outbound::channel(
+        app.config.limits.max_outbound_frames,
+        app.config.limits.slow_consumer_patience,
+    );
     let inflight = Arc::new(Semaphore::new(INFLIGHT_FRAMES));
     let args = ConnectionArgs {
         id,

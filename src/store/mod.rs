@@ -4,6 +4,7 @@
 //! durable, so that conversation actors never wait on disk (write before send).
 
 pub mod lock;
+pub mod memory;
 pub mod sqlite;
 
 use std::path::{Path, PathBuf};

@@ -242,6 +242,9 @@ pub struct State {
     stopping: Option<StopReason>,
 
     pending_creator: Option<PendingCreator>,
+    /// Connections detached by the stop, kept so that requests still in
+    /// the mailbox when it stops are answered, not dropped.
+    departed: HashMap<ConnId, ConnectionHandle>,
     /// Bumped when a store failure discards what was not committed.
     epoch: u64,
     /// Set while the store cannot write: what failed. Requests that need an
@@ -302,6 +305,7 @@ impl Actor for Conversation {
             grace_timer: None,
             stopping: None,
             pending_creator: None,
+            departed: HashMap::new(),
             epoch: 0,
             store_failure: None,
             failed_attempts: 0,
@@ -531,6 +535,8 @@ impl State {
     fn reply_to(&self, conn: ConnId, frame: &ServerFrame) {
         if let Some(attachment) = self.attachments.get(&conn) {
             attachment.conn.outbound.reply(frame);
+        } else if let Some(departed) = self.departed.get(&conn) {
+            departed.outbound.reply(frame);
         }
     }
 
@@ -547,7 +553,15 @@ impl State {
                 ));
                 false
             }
-            None => false,
+            None => {
+                self.refuse(
+                    conn,
+                    req.clone(),
+                    ErrorCode::NotAttached,
+                    "not attached to this conversation; attach again".into(),
+                );
+                false
+            }
         }
     }
 
