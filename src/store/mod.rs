@@ -103,6 +103,14 @@ pub enum StoreError {
     Closed,
     #[error("store: conversation {0} not found")]
     NotFound(String),
+    /// The shared store (cluster mode) cannot be reached or has no quorum:
+    /// protocol error `store_unavailable`; retrying later may succeed.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// Cluster mode: another node owns the conversation now; this node's
+    /// append was refused and it must stop the conversation.
+    #[error("store: conversation {conversation} is owned by another node (term {term} is stale)")]
+    Fenced { conversation: String, term: u64 },
 }
 
 impl From<rusqlite::Error> for StoreError {

@@ -1,0 +1,1 @@
+//! [`NatsStore`]: linger's [`crate::store::Store`] over JetStream (to come).
