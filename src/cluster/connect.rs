@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, stream};
 
-use super::ClusterError;
+use super::{with_deadline, ClusterError};
 use crate::config::ClusterConfig;
 
 /// The oldest NATS server linger accepts, as `(major, minor)`.
@@ -75,9 +75,15 @@ pub struct Cluster {
 /// Connects to the first reachable URL, refuses a server older than 2.11,
 /// and creates or checks the stream and buckets.
 pub async fn connect(urls: &[String], options: ClusterOptions) -> Result<Cluster, ClusterError> {
+    // One try of a request or publish waits this long for its answer, then
+    // is retried (same msg id) until `op_timeout`: a publish sent on a
+    // connection that died is never answered, and waiting the whole
+    // deadline for it would leave no time for the retry on the new one.
+    let attempt =
+        (options.op_timeout / 4).clamp(Duration::from_millis(250), Duration::from_secs(2));
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(options.op_timeout)
-        .request_timeout(Some(options.op_timeout))
+        .request_timeout(Some(attempt))
         // After the first connection, reconnect forever: NATS trouble is
         // reported per operation (Unavailable), never by giving up.
         .max_reconnects(None)
@@ -87,7 +93,7 @@ pub async fn connect(urls: &[String], options: ClusterOptions) -> Result<Cluster
     let version = client.server_info().version;
     check_version(&version)?;
     let js = jetstream::ContextBuilder::new()
-        .timeout(options.op_timeout)
+        .timeout(attempt)
         .build(client.clone());
     let cluster = Cluster {
         client,
@@ -140,10 +146,13 @@ impl Cluster {
             deny_delete: true,
             ..Default::default()
         };
-        self.js
-            .create_or_update_stream(events)
-            .await
-            .map_err(|e| unavailable("the events stream", &e))?;
+        with_deadline(o.op_timeout, "creating the events stream", || async {
+            self.js
+                .create_or_update_stream(events.clone())
+                .await
+                .map_err(|e| unavailable("the events stream", &e))
+        })
+        .await?;
         let meta = kv::Config {
             bucket: o.meta_bucket(),
             history: 1,
@@ -151,10 +160,17 @@ impl Cluster {
             storage: stream::StorageType::File,
             ..Default::default()
         };
-        self.js
-            .create_or_update_key_value(meta)
-            .await
-            .map_err(|e| unavailable("the conversations bucket", &e))?;
+        with_deadline(
+            o.op_timeout,
+            "creating the conversations bucket",
+            || async {
+                self.js
+                    .create_or_update_key_value(meta.clone())
+                    .await
+                    .map_err(|e| unavailable("the conversations bucket", &e))
+            },
+        )
+        .await?;
         let leases = kv::Config {
             bucket: o.lease_bucket(),
             history: 1,
@@ -166,10 +182,13 @@ impl Cluster {
             limit_markers: Some(o.lease_ttl.max(Duration::from_secs(1))),
             ..Default::default()
         };
-        self.js
-            .create_or_update_key_value(leases)
-            .await
-            .map_err(|e| unavailable("the leases bucket", &e))?;
+        with_deadline(o.op_timeout, "creating the leases bucket", || async {
+            self.js
+                .create_or_update_key_value(leases.clone())
+                .await
+                .map_err(|e| unavailable("the leases bucket", &e))
+        })
+        .await?;
         Ok(())
     }
 

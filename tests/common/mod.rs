@@ -9,6 +9,7 @@
 
 #![allow(dead_code)]
 
+pub mod nats;
 pub mod process;
 pub mod proxy;
 
