@@ -374,3 +374,111 @@ fn the_cluster_section_has_defaults_and_refuses_bad_values() {
         assert!(err.contains(key) || err.contains("leader"), "{bad}: {err}");
     }
 }
+
+fn batch(
+    id: &str,
+    from: u64,
+    n: u64,
+    create: bool,
+    status: linger::protocol::Status,
+) -> linger::store::AppendBatch {
+    use linger::store::{AppendBatch, ConversationState, NewConversation};
+    let evs = events(id, from, n, "s");
+    AppendBatch {
+        conversation_id: Arc::from(id),
+        create: create.then(|| NewConversation {
+            user: "alice".into(),
+            title: "hello".into(),
+            created_at: "2026-01-01T00:00:00.000Z".into(),
+            close_delay: None,
+        }),
+        state: ConversationState {
+            status,
+            head_seq: from + n - 1,
+            last_activity_at: "2026-01-01T00:00:01.000Z".into(),
+            current_turn_id: None,
+            last_turn_message_seq: 0,
+        },
+        events: evs,
+        client_msg_ids: Vec::new(),
+    }
+}
+
+async fn append(
+    store: &linger::cluster::store::NatsStore,
+    b: linger::store::AppendBatch,
+) -> Result<(), linger::store::StoreError> {
+    use linger::store::Store;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    store.append(
+        b,
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    );
+    rx.await.expect("the append is answered")
+}
+
+#[tokio::test]
+async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation() {
+    use linger::cluster::store::NatsStore;
+    use linger::protocol::Status;
+    use linger::store::{Store, StoreError};
+    let nats = Nats::single().await;
+    let c = cluster(
+        nats.urls(),
+        options(RECV_TIMEOUT, 1, Duration::from_secs(5)),
+    )
+    .await;
+    let one = NatsStore::open(&c, "node-1").await.unwrap();
+    let two = NatsStore::open(&c, "node-2").await.unwrap();
+
+    // Not owned here: refused.
+    assert!(matches!(
+        append(&one, batch("c_s", 1, 2, true, Status::Idle)).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    assert_eq!(one.take_over("c_s", 1).await.unwrap(), 0);
+    append(&one, batch("c_s", 1, 2, true, Status::Idle))
+        .await
+        .unwrap();
+    append(&one, batch("c_s", 3, 2, false, Status::Running))
+        .await
+        .unwrap();
+    one.flush().await.unwrap();
+
+    // Any node answers the same.
+    let meta = two.get("c_s").await.unwrap().expect("a summary");
+    assert_eq!(
+        (meta.user.as_str(), meta.head_seq, meta.status),
+        ("alice", 4, Status::Running)
+    );
+    assert_eq!(two.list(Some("alice")).await.unwrap().len(), 1);
+    assert!(two.list(Some("bob")).await.unwrap().is_empty());
+    assert_eq!(two.events("c_s", 1, 10).await.unwrap().len(), 3);
+    two.add_observer("c_s", "bob").await.unwrap();
+    assert_eq!(one.get("c_s").await.unwrap().unwrap().observers, ["bob"]);
+    let snap = two.snapshot("c_s", 2).await.unwrap().expect("a snapshot");
+    assert_eq!(snap.tail.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4]);
+    assert_eq!(two.unfinished().await.unwrap().len(), 1);
+
+    // Node 2 takes over (term 2); node 1's next append is fenced.
+    assert_eq!(two.take_over("c_s", 2).await.unwrap(), 4);
+    assert!(matches!(
+        append(&one, batch("c_s", 5, 1, false, Status::Idle)).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    append(&two, batch("c_s", 5, 1, false, Status::Stopped))
+        .await
+        .unwrap();
+    let meta = one.get("c_s").await.unwrap().unwrap();
+    assert_eq!((meta.head_seq, meta.status), (5, Status::Stopped));
+    assert_eq!(meta.observers, ["bob"]);
+    assert!(one.unfinished().await.unwrap().is_empty());
+
+    assert!(two.delete("c_s").await.unwrap());
+    assert!(one.get("c_s").await.unwrap().is_none());
+    assert!(one.events("c_s", 0, 10).await.unwrap().is_empty());
+    assert!(one.list(Some("alice")).await.unwrap().is_empty());
+    assert!(!two.delete("c_s").await.unwrap());
+}

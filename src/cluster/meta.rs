@@ -202,6 +202,41 @@ impl Summaries {
         )))
     }
 
+    /// Lets `user` observe the conversation (any node may call this).
+    pub async fn add_observer(&self, id: &str, user: &str) -> Result<(), ClusterError> {
+        let key = format!("c.{}", check_token(id)?);
+        for _ in 0..16 {
+            let Some((mut stored, revision)) = self.entry(id).await? else {
+                return Err(ClusterError::NotFound(id.to_owned()));
+            };
+            if stored.observers.iter().any(|o| o == user) {
+                return Ok(());
+            }
+            stored.observers.push(user.to_owned());
+            let value: bytes::Bytes = serde_json::to_vec(&stored)
+                .map_err(|e| ClusterError::Corrupt(e.to_string()))?
+                .into();
+            let written = with_deadline(
+                self.cluster.options.op_timeout,
+                "adding an observer",
+                || async {
+                    match self.kv.update(&key, value.clone(), revision).await {
+                        Ok(_) => Ok(true),
+                        Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(false),
+                        Err(e) => Err(ClusterError::Unavailable(e.to_string())),
+                    }
+                },
+            )
+            .await?;
+            if written {
+                return Ok(());
+            }
+        }
+        Err(ClusterError::Unavailable(format!(
+            "summary {id}: too many concurrent writers"
+        )))
+    }
+
     /// The ids of a user's conversations (every user's for `None`).
     async fn ids(&self, user: Option<&str>) -> Result<Vec<String>, ClusterError> {
         let prefix = &self.kv.prefix; // "$KV.<bucket>."

@@ -81,6 +81,8 @@ pub enum ClusterError {
     /// A name that cannot be a NATS subject token.
     #[error("invalid name for NATS: {0:?}")]
     InvalidName(String),
+    #[error("conversation {0} not found")]
+    NotFound(String),
     /// The lease is held by another node (or was lost).
     #[error("conversation {conversation}: lease held by node {holder}")]
     LeaseHeld {
@@ -96,6 +98,7 @@ impl From<ClusterError> for crate::store::StoreError {
             ClusterError::Fenced { conversation, term } => {
                 crate::store::StoreError::Fenced { conversation, term }
             }
+            ClusterError::NotFound(id) => crate::store::StoreError::NotFound(id),
             other => crate::store::StoreError::Backend(other.to_string()),
         }
     }
