@@ -442,9 +442,9 @@ async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation()
     append(&one, batch("c_s", 1, 2, true, Status::Idle))
         .await
         .unwrap();
-    append(&one, batch("c_s", 3, 2, false, Status::Running))
-        .await
-        .unwrap();
+    let mut with_ids = batch("c_s", 3, 2, false, Status::Running);
+    with_ids.client_msg_ids = vec![("msg-1/é".into(), 3)];
+    append(&one, with_ids).await.unwrap();
     one.flush().await.unwrap();
 
     // Any node answers the same.
@@ -460,6 +460,7 @@ async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation()
     assert_eq!(one.get("c_s").await.unwrap().unwrap().observers, ["bob"]);
     let snap = two.snapshot("c_s", 2).await.unwrap().expect("a snapshot");
     assert_eq!(snap.tail.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4]);
+    assert_eq!(snap.client_msg_ids, [("msg-1/é".to_owned(), 3)]);
     assert_eq!(two.unfinished().await.unwrap().len(), 1);
 
     // Node 2 takes over (term 2); node 1's next append is fenced.

@@ -2,7 +2,9 @@
 //!
 //! Keys: `c.<conversation>` holds the summary as JSON, with the writer's
 //! `(term, head_seq)`; `u.<hex(user)>.<conversation>` (empty) indexes a
-//! user's conversations. A user's list is the set of index subjects under
+//! user's conversations; `d.<conversation>.<hex(client_msg_id)>.<seq>`
+//! (empty) records the `client_msg_id`s used, so that reactivation finds
+//! them with one subject listing instead of reading the whole log. A user's list is the set of index subjects under
 //! `u.<hex(user)>.*`, answered by one stream-info request with a subject
 //! filter from the server's per-subject index, then one get per summary.
 //! Deleting a conversation purges its subjects outright (no markers left),
@@ -75,8 +77,20 @@ impl Stored {
     }
 }
 
+/// Any text as a subject token: lower-case hex of its bytes.
 fn user_token(user: &str) -> String {
     user.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(token: &str) -> Option<String> {
+    if token.len() % 2 != 0 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..token.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
 }
 
 /// The summaries bucket.
@@ -279,6 +293,65 @@ impl Summaries {
         Ok(out)
     }
 
+    /// Records `client_msg_id`s with the seq of their `user_message`.
+    pub async fn add_client_ids(
+        &self,
+        id: &str,
+        ids: &[(String, u64)],
+    ) -> Result<(), ClusterError> {
+        check_token(id)?;
+        for (cid, seq) in ids {
+            let key = format!("d.{id}.{}.{seq}", user_token(cid));
+            with_deadline(
+                self.cluster.options.op_timeout,
+                "recording a client_msg_id",
+                || async {
+                    self.kv
+                        .put(&key, bytes::Bytes::new())
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| ClusterError::Unavailable(e.to_string()))
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Every `client_msg_id` recorded for the conversation, by seq.
+    pub async fn client_ids(&self, id: &str) -> Result<Vec<(String, u64)>, ClusterError> {
+        let filter = format!("{}d.{}.*.*", self.kv.prefix, check_token(id)?);
+        let subjects = self.subjects(&filter).await?;
+        let mut out = Vec::new();
+        for s in subjects {
+            let mut parts = s.rsplit('.');
+            let seq = parts.next().and_then(|p| p.parse::<u64>().ok());
+            let cid = parts.next().and_then(unhex);
+            match (cid, seq) {
+                (Some(cid), Some(seq)) => out.push((cid, seq)),
+                _ => return Err(ClusterError::Corrupt(format!("client_msg_id key {s}"))),
+            }
+        }
+        out.sort_by_key(|(_, seq)| *seq);
+        Ok(out)
+    }
+
+    async fn subjects(&self, filter: &str) -> Result<Vec<String>, ClusterError> {
+        with_deadline(self.cluster.options.op_timeout, "listing keys", || async {
+            let subjects: Vec<(String, usize)> = self
+                .kv
+                .stream
+                .info_with_subjects(filter)
+                .await
+                .map_err(|e| ClusterError::Unavailable(e.to_string()))?
+                .try_collect()
+                .await
+                .map_err(|e| ClusterError::Unavailable(e.to_string()))?;
+            Ok(subjects.into_iter().map(|(s, _)| s).collect())
+        })
+        .await
+    }
+
     /// Removes a summary and its index entry; whether it existed.
     pub async fn delete(&self, id: &str) -> Result<bool, ClusterError> {
         let Some((stored, _)) = self.entry(id).await? else {
@@ -286,6 +359,7 @@ impl Summaries {
         };
         let prefix = self.kv.prefix.clone();
         for key in [
+            format!("d.{id}.>"),
             format!("u.{}.{id}", user_token(&stored.user)),
             format!("c.{id}"),
         ] {

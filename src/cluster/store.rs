@@ -150,6 +150,9 @@ async fn commit(
         });
     }
     log.append(fence, &batch.events).await?;
+    summaries
+        .add_client_ids(&batch.conversation_id, &batch.client_msg_ids)
+        .await?;
     let Some(m) = meta.as_mut() else {
         return Err(StoreError::NotFound(batch.conversation_id.to_string()));
     };
@@ -243,16 +246,7 @@ impl Store for NatsStore {
                 queued.push(QueuedMessage { seq: e.seq, text });
             }
         }
-        // Reads the whole log: see the module doc of `cluster` (an index of
-        // client_msg_ids in KV is the follow-up).
-        let mut client_msg_ids = Vec::new();
-        for e in self.log.read(id, 0, usize::MAX).await? {
-            if &*e.kind == "user_message" {
-                if let Some(cid) = field(&e.data, "client_msg_id") {
-                    client_msg_ids.push((cid, e.seq));
-                }
-            }
-        }
+        let client_msg_ids = self.summaries.client_ids(id).await?;
         Ok(Some(Snapshot {
             meta,
             tail: tail_events,
