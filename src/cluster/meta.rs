@@ -83,7 +83,7 @@ fn user_token(user: &str) -> String {
 }
 
 fn unhex(token: &str) -> Option<String> {
-    if token.len() % 2 != 0 {
+    if !token.len().is_multiple_of(2) {
         return None;
     }
     let bytes: Option<Vec<u8>> = (0..token.len())
