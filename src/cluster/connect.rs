@@ -1,12 +1,17 @@
 //! Connecting to NATS: the server must be 2.11 or later, and the stream and
 //! buckets linger uses are created (or checked) with `cluster.replicas`.
 //!
-//! Why 2.11: before it, a stream leader change could let two publishes with
-//! the same `Nats-Expected-Last-Subject-Sequence` both be accepted (the new
-//! leader did not know the old one's in-flight expectations). 2.11 answers
-//! such publishes during a leader change with error 10163 (503, retry) and
-//! tracks in-flight expectations per subject (10164), which is what makes
-//! the fence in [`super::log`] sound.
+//! Why 2.11: before it, a newly elected stream leader could check
+//! `Nats-Expected-Last-Subject-Sequence` against a state that did not yet
+//! hold entries the old leader had accepted, so two publishes expecting the
+//! same position could both be stored. nats-server 2.11.0 fixed this in two
+//! steps (commits 469f834b2 "ensure 'expected per subject' consistency",
+//! which answered 10163 "temporarily unavailable" until the new leader had
+//! applied its backlog and 10164 for a second in-flight publish on one
+//! subject, and 43e7a0279 "Completeness/consistency after leader changes",
+//! which makes a new leader apply everything before accepting anything).
+//! That is what makes the fence in [`super::log`] sound; 10163/10164 and any
+//! other refusal but 10071 are retried as `Unavailable`.
 
 use std::time::Duration;
 

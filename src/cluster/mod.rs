@@ -34,8 +34,9 @@
 //!   refused with an API error; it is reported as `Unavailable` (nothing was
 //!   stored, nothing may be sent) with the server's description in the text.
 //! - **Gone** (no server, no JetStream quorum, leader election): publishes
-//!   time out, get "no responders" or 503 errors (10163: expected-sequence
-//!   checks are paused during a leader change). These are retried until the
+//!   time out, get "no responders" or 503 errors (10163 on some 2.11
+//!   pre-releases: expected-sequence checks paused during a leader change;
+//!   10164: another conditional publish on the subject is in flight). These are retried until the
 //!   deadline, then reported `Unavailable` (protocol: `store_unavailable`,
 //!   `/healthz` 503). The client reconnects by itself forever; the next
 //!   append after recovery works without any reset because the fence is
