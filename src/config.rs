@@ -23,6 +23,7 @@ pub struct Config {
     pub agent: AgentConfig,
     pub limits: LimitsConfig,
     pub log: LogConfig,
+    pub cluster: ClusterConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -202,6 +203,41 @@ pub struct LogConfig {
     pub format: LogFormat,
 }
 
+/// Where history and ownership live (protocol §10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ClusterMode {
+    /// One process, the embedded SQLite store.
+    #[default]
+    Single,
+    /// Several nodes sharing NATS JetStream (server 2.11 or later).
+    Nats,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    pub mode: ClusterMode,
+    pub nats_urls: Vec<String>,
+    /// Empty: a new one is generated at start.
+    pub node_id: String,
+    #[serde(with = "humantime_serde")]
+    pub lease_ttl: Duration,
+    pub replicas: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            mode: ClusterMode::Single,
+            nats_urls: vec!["nats://127.0.0.1:4222".into()],
+            node_id: String::new(),
+            lease_ttl: Duration::from_secs(5),
+            replicas: 1,
+        }
+    }
+}
+
 /// A configuration that cannot be used; the message names the key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -271,6 +307,34 @@ impl Config {
             return bad(
                 "agent.command",
                 "must name a program when agent.kind = \"command\"",
+            );
+        }
+        if self.cluster.mode == ClusterMode::Nats && self.cluster.nats_urls.is_empty() {
+            return bad(
+                "cluster.nats_urls",
+                "must list at least one URL when cluster.mode = \"nats\"",
+            );
+        }
+        if self.cluster.lease_ttl < Duration::from_secs(1) {
+            // NATS keeps KV ages in whole seconds for markers and renewal
+            // needs a few round trips within one TTL.
+            return bad("cluster.lease_ttl", "must be at least 1s");
+        }
+        if !(1..=5).contains(&self.cluster.replicas) {
+            return bad(
+                "cluster.replicas",
+                "must be between 1 and 5 (JetStream's limit)",
+            );
+        }
+        if !self
+            .cluster
+            .node_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return bad(
+                "cluster.node_id",
+                "may only hold ASCII letters, digits, '-' and '_'",
             );
         }
         if self.auth.mode == AuthMode::Tokens && self.auth.tokens.is_empty() {

@@ -7,13 +7,15 @@
 //!   conversation, one connection actor per websocket.
 //! - [`agent`]: turn runners (the demo agent; the command agent).
 //! - [`store`]: the history store trait and its embedded SQLite default;
-//!   [`recovery`]: start-up recovery after a crash.
+//!   [`recovery`]: start-up recovery after a crash; [`cluster`]: the NATS
+//!   JetStream foundation of cluster mode (log, fence, leases, summaries).
 //! - [`gateway`]: axum routes: `/v1/ws`, REST, `/healthz`, `/metrics`.
 //! - [`config`]: the TOML file and its env overrides; [`server`]: start and
 //!   graceful shutdown; [`metrics`]: Prometheus names.
 
 pub mod actors;
 pub mod agent;
+pub mod cluster;
 pub mod config;
 pub mod event;
 pub mod gateway;

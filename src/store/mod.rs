@@ -100,8 +100,9 @@ pub type CommitCallback = Box<dyn FnOnce(Result<(), StoreError>) + Send + 'stati
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The store cannot write now (disk full, I/O error, locked, corrupt,
-    /// read-only): nothing was recorded; retrying later may work. Protocol
-    /// error `store_unavailable`.
+    /// read-only; in cluster mode NATS unreachable or without quorum):
+    /// nothing was recorded; retrying later may work. Protocol error
+    /// `store_unavailable`.
     #[error("store unavailable: {0}")]
     Unavailable(String),
     /// A request the store refuses whatever its health (an append that does
@@ -112,6 +113,10 @@ pub enum StoreError {
     Closed,
     #[error("store: conversation {0} not found")]
     NotFound(String),
+    /// Cluster mode: another node owns the conversation now; this node's
+    /// append was refused and it must stop the conversation.
+    #[error("store: conversation {conversation} is owned by another node (term {term} is stale)")]
+    Fenced { conversation: String, term: u64 },
 }
 
 impl StoreError {

@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 pub mod faulty_store;
+pub mod nats;
 pub mod process;
 pub mod proxy;
 
