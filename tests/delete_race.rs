@@ -66,7 +66,11 @@ async fn delete_wins_against_racing_attaches_and_messages() {
         );
         let (_, list) = server.get("/v1/conversations", Some("alice")).await;
         assert!(
-            !list.as_array().unwrap().iter().any(|c| c["id"] == id.as_str()),
+            !list
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["id"] == id.as_str()),
             "round {round}: {list}"
         );
         // The owner was told why it lost the conversation.

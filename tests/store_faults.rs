@@ -43,11 +43,17 @@ async fn a_failing_store_is_reported_and_recovered_from() {
     // While it fails: health says so, writes are refused at once, reads work.
     let (status, body) = server.get("/healthz", None).await;
     assert_eq!(status, 503, "{body}");
-    assert!(body.as_str().unwrap_or("").contains("store unavailable"), "{body}");
+    assert!(
+        body.as_str().unwrap_or("").contains("store unavailable"),
+        "{body}"
+    );
     let refused = client
         .request(json!({"type": "message", "conversation_id": id, "text": "hello"}))
         .await;
-    assert!(is_store_error(&refused), "a message while writes fail: {refused}");
+    assert!(
+        is_store_error(&refused),
+        "a message while writes fail: {refused}"
+    );
     let stored = server.stored_events(&id, "alice", 0).await;
     assert_eq!(
         seq(stored.last().unwrap()),
@@ -61,7 +67,10 @@ async fn a_failing_store_is_reported_and_recovered_from() {
     assert_eq!(body["error"]["code"], "store_unavailable", "{body}");
     let mut other = server.connect("alice").await;
     let created = other.request(json!({"type": "create"})).await;
-    assert!(is_store_error(&created), "create while writes fail: {created}");
+    assert!(
+        is_store_error(&created),
+        "create while writes fail: {created}"
+    );
 
     // Writes work again: the conversation goes on by itself, the history
     // says the turn was stopped by the store, and seq follows on.
@@ -99,7 +108,9 @@ async fn a_failing_store_is_reported_and_recovered_from() {
 async fn created_comes_after_the_commit_and_before_the_events() {
     let server = TestServer::start().await;
     let mut client = server.connect("alice").await;
-    let created = client.request(json!({"type": "create", "title": "t"})).await;
+    let created = client
+        .request(json!({"type": "create", "title": "t"}))
+        .await;
     assert_eq!(created["type"], "created", "{created}");
     let id = created["conversation_id"].as_str().unwrap().to_owned();
     // Committed before the reply: the history is already readable.
@@ -188,7 +199,10 @@ async fn a_full_disk_for_real() {
         .unwrap();
     assert_eq!(health.status().as_u16(), 503);
     let body = health.text().await.unwrap();
-    assert!(body.contains("full"), "the reason says the disk is full: {body}");
+    assert!(
+        body.contains("full"),
+        "the reason says the disk is full: {body}"
+    );
 
     std::fs::remove_file(filler).unwrap();
     let finished = client.next_event(&id).await;
@@ -201,4 +215,42 @@ async fn a_full_disk_for_real() {
     server.wait_for_log(|l| l.contains("writes work again"));
     server.signal("TERM");
     assert_eq!(server.wait_exit(Duration::from_secs(15)).code(), Some(0));
+}
+
+/// A store that is not a linger store, or that cannot be written, stops
+/// start-up with a message that says so and a non-zero exit.
+#[test]
+fn a_store_that_cannot_be_used_is_refused_at_start() {
+    let (_dir, store) = common::process::temp_store();
+    std::fs::create_dir_all(&store).unwrap();
+    std::fs::write(store.join("linger.db"), vec![0x42u8; 64 * 1024]).unwrap();
+    let (status, stderr) = common::process::serve_refused(&store, "127.0.0.1:0");
+    assert!(!status.success());
+    assert!(
+        stderr.contains("cannot start") && stderr.contains("not a database"),
+        "stderr: {stderr}"
+    );
+
+    // Read-only: a tmpfs mounted read-only, where the machine allows it
+    // (root ignores file modes, so a chmod would prove nothing).
+    let Some(disk) = SmallDisk::mount("1m") else {
+        eprintln!("skipped the read-only half: no tmpfs mount here");
+        return;
+    };
+    let remounted = std::process::Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(disk.path())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !remounted {
+        eprintln!("skipped the read-only half: cannot remount read-only");
+        return;
+    }
+    let (status, stderr) =
+        common::process::serve_refused(&disk.path().join("store"), "127.0.0.1:0");
+    assert!(!status.success());
+    assert!(
+        stderr.contains("cannot start") && stderr.contains("Read-only"),
+        "stderr: {stderr}"
+    );
 }

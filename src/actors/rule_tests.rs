@@ -114,13 +114,13 @@ fn event_of(kind: &'static str) -> impl Fn(&Value) -> bool {
 /// Waits (in virtual time) until the stored history of `id` has an event
 /// of `kind`; returns it.
 async fn stored(node: &Node, id: &str, kind: &str) -> Value {
+    let mut appends = node.store.appends();
     loop {
         let events = node.store.events(id, 0, usize::MAX).await.expect("events");
         if let Some(e) = events.iter().find(|e| &*e.kind == kind) {
             return serde_json::from_str(e.frame.as_str()).expect("JSON");
         }
-        // Only paces the look in virtual time; it decides nothing.
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        appends.changed().await.expect("the store lives");
     }
 }
 
@@ -165,7 +165,7 @@ async fn an_attached_or_running_conversation_is_never_idle_closed() {
     let id = create(&mut socket).await;
     // Attached and idle for ten close delays: still active.
     tokio::time::sleep(delay * 10).await;
-    socket.send(json!({"type": "message", "conversation_id": id, "text": "/sleep 30m", "req": 2}));
+    socket.send(json!({"type": "message", "conversation_id": id, "text": "/sleep 20m", "req": 2}));
     socket.recv_until(event_of("turn_started")).await;
     // Running with nobody attached, past close_delay: still running.
     socket.close();
@@ -197,7 +197,10 @@ async fn a_detached_turn_is_abandoned_after_detach_grace() {
     let finished = stored(&node, &id, "turn_finished").await;
     let after = detached_at.elapsed();
     assert_eq!(finished["data"]["status"], "abandoned", "{finished}");
-    assert!(after >= grace && after <= grace + Duration::from_secs(1), "after {after:?}");
+    assert!(
+        after >= grace && after <= grace + Duration::from_secs(1),
+        "after {after:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -218,6 +221,9 @@ async fn a_turn_past_its_timeout_fails_saying_so() {
             .is_some_and(|e| e.contains("agent.turn_timeout")),
         "{finished}"
     );
-    assert!(after >= timeout && after <= timeout + Duration::from_secs(1), "after {after:?}");
+    assert!(
+        after >= timeout && after <= timeout + Duration::from_secs(1),
+        "after {after:?}"
+    );
     let _ = id;
 }

@@ -208,7 +208,12 @@ impl Store for NatsStore {
     /// Reads a head from the stream's leader: JetStream answers only with
     /// a leader, which is what an append needs too.
     async fn probe(&self) -> Result<(), StoreError> {
-        let result = self.log.head("health-probe").await.map(|_| ()).map_err(StoreError::from);
+        let result = self
+            .log
+            .head("health-probe")
+            .await
+            .map(|_| ())
+            .map_err(StoreError::from);
         self.health.record(result.as_ref().map(|_| ()));
         result
     }

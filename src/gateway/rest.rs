@@ -78,9 +78,7 @@ impl IntoResponse for ApiError {
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
-            ApiError::StoreUnavailable(_) => {
-                (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
-            }
+            ApiError::StoreUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         error_response(status, code, &self.to_string())

@@ -21,12 +21,27 @@ struct Conversation {
     client_msg_ids: Vec<(String, u64)>,
 }
 
-#[derive(Default)]
 pub struct MemoryStore {
     conversations: Mutex<HashMap<String, Conversation>>,
+    /// Counts appends, so that a test can wait for the next one.
+    appends: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore {
+            conversations: Mutex::default(),
+            appends: tokio::sync::watch::channel(0).0,
+        }
+    }
 }
 
 impl MemoryStore {
+    /// Changes after every append.
+    pub fn appends(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.appends.subscribe()
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut HashMap<String, Conversation>) -> T) -> T {
         let mut map = self
             .conversations
@@ -94,7 +109,9 @@ fn message_text(record: &EventRecord) -> Option<String> {
 #[async_trait]
 impl Store for MemoryStore {
     fn append(&self, batch: AppendBatch, done: CommitCallback) {
-        done(self.apply(batch));
+        let result = self.apply(batch);
+        self.appends.send_modify(|n| *n += 1);
+        done(result);
     }
 
     async fn flush(&self) -> Result<(), StoreError> {

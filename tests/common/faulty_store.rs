@@ -9,9 +9,7 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use linger::event::EventRecord;
-use linger::store::{
-    AppendBatch, CommitCallback, ConversationMeta, Snapshot, Store, StoreError,
-};
+use linger::store::{AppendBatch, CommitCallback, ConversationMeta, Snapshot, Store, StoreError};
 
 pub const INJECTED: &str = "database or disk is full (injected)";
 
