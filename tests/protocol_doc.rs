@@ -6,8 +6,7 @@
 //! variant lists, serde, the serialized default `Config`) must be a row of
 //! its table, and every row must be a name the code knows, unless the row is
 //! marked `*coming*` in a cell of its own (protocol v1.1, not implemented
-//! yet), in which case the
-//! code must not know it yet. The OpenAPI document is checked against a
+//! yet), in which case the code must not know it yet. The OpenAPI document is checked against a
 //! real server: every operation it lists answers there with a status it
 //! documents, every method it does not list is refused with 405, the route
 //! table has nothing it leaves out, and real bodies match their schemas.
