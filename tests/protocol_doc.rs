@@ -366,7 +366,6 @@ async fn the_openapi_document_matches_the_real_routes() {
 
     // Routes added outside the documented table (`.route("...")` in the
     // router) are the web page's only.
-    let web_page = ["/", "/web/{file}"];
     for route in ROUTER_SOURCE.split(".route(").skip(1) {
         let path = route
             .trim_start()
@@ -374,7 +373,7 @@ async fn the_openapi_document_matches_the_real_routes() {
             .and_then(|r| r.split('"').next())
             .expect("a route path literal");
         assert!(
-            web_page.contains(&path) || served["paths"].get(path).is_some(),
+            path == "/" || path.starts_with("/web/") || served["paths"].get(path).is_some(),
             "the route {path} is not in /v1/openapi.json: register it in \
              gateway::openapi::api_routes with a #[utoipa::path]"
         );
