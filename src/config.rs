@@ -23,6 +23,7 @@ pub struct Config {
     pub agent: AgentConfig,
     pub limits: LimitsConfig,
     pub log: LogConfig,
+    pub cluster: ClusterConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -169,6 +170,10 @@ pub struct LimitsConfig {
     pub max_connections_per_user: usize,
     pub messages_per_second: u32,
     pub messages_burst: u32,
+    /// A client that reads nothing for this long while frames wait for it
+    /// is closed with 4008 (slow consumer).
+    #[serde(with = "humantime_serde")]
+    pub slow_consumer_patience: Duration,
 }
 
 impl Default for LimitsConfig {
@@ -179,6 +184,7 @@ impl Default for LimitsConfig {
             max_connections_per_user: 32,
             messages_per_second: 20,
             messages_burst: 40,
+            slow_consumer_patience: Duration::from_secs(30),
         }
     }
 }
@@ -195,6 +201,41 @@ pub enum LogFormat {
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     pub format: LogFormat,
+}
+
+/// Where history and ownership live (protocol §10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ClusterMode {
+    /// One process, the embedded SQLite store.
+    #[default]
+    Single,
+    /// Several nodes sharing NATS JetStream (server 2.11 or later).
+    Nats,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    pub mode: ClusterMode,
+    pub nats_urls: Vec<String>,
+    /// Empty: a new one is generated at start.
+    pub node_id: String,
+    #[serde(with = "humantime_serde")]
+    pub lease_ttl: Duration,
+    pub replicas: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            mode: ClusterMode::Single,
+            nats_urls: vec!["nats://127.0.0.1:4222".into()],
+            node_id: String::new(),
+            lease_ttl: Duration::from_secs(5),
+            replicas: 1,
+        }
+    }
 }
 
 /// A configuration that cannot be used; the message names the key.
@@ -256,6 +297,9 @@ impl Config {
         if self.limits.messages_per_second == 0 {
             return bad("limits.messages_per_second", "must be at least 1");
         }
+        if self.limits.slow_consumer_patience.is_zero() {
+            return bad("limits.slow_consumer_patience", "must be more than 0s");
+        }
         if self.limits.messages_burst == 0 {
             return bad("limits.messages_burst", "must be at least 1");
         }
@@ -263,6 +307,34 @@ impl Config {
             return bad(
                 "agent.command",
                 "must name a program when agent.kind = \"command\"",
+            );
+        }
+        if self.cluster.mode == ClusterMode::Nats && self.cluster.nats_urls.is_empty() {
+            return bad(
+                "cluster.nats_urls",
+                "must list at least one URL when cluster.mode = \"nats\"",
+            );
+        }
+        if self.cluster.lease_ttl < Duration::from_secs(1) {
+            // NATS keeps KV ages in whole seconds for markers and renewal
+            // needs a few round trips within one TTL.
+            return bad("cluster.lease_ttl", "must be at least 1s");
+        }
+        if !(1..=5).contains(&self.cluster.replicas) {
+            return bad(
+                "cluster.replicas",
+                "must be between 1 and 5 (JetStream's limit)",
+            );
+        }
+        if !self
+            .cluster
+            .node_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return bad(
+                "cluster.node_id",
+                "may only hold ASCII letters, digits, '-' and '_'",
             );
         }
         if self.auth.mode == AuthMode::Tokens && self.auth.tokens.is_empty() {
@@ -287,8 +359,24 @@ fn describe(error: figment::Error) -> String {
     error
         .into_iter()
         .map(|e| {
-            let key = e.path.join(".");
-            let kind = e.kind.to_string();
+            let mut key = e.path.join(".");
+            let kind = match &e.kind {
+                // figment's own wording nests backticks inside backticks.
+                figment::error::Kind::UnknownField(found, expected) => {
+                    // The path already ends with the unknown key.
+                    let parent = &e.path[..e.path.len().saturating_sub(1)];
+                    let known = if parent.is_empty() {
+                        "known sections".to_owned()
+                    } else {
+                        format!("known keys of [{}]", parent.join("."))
+                    };
+                    if key.is_empty() {
+                        key = found.clone();
+                    }
+                    format!("unknown key; {known}: {}", expected.join(", "))
+                }
+                kind => kind.to_string(),
+            };
             let source = e
                 .metadata
                 .as_ref()

@@ -9,7 +9,8 @@
 //!   conversation, one connection actor per websocket.
 //! - [`agent`]: turn runners (the demo agent; the command agent).
 //! - [`store`]: the history store trait and its embedded SQLite default;
-//!   [`recovery`]: start-up recovery after a crash.
+//!   [`recovery`]: start-up recovery after a crash; [`cluster`]: the NATS
+//!   JetStream foundation of cluster mode (log, fence, leases, summaries).
 //! - [`gateway`]: axum routes: `/v1/ws`, REST, `/healthz`, `/metrics`,
 //!   `/v1/openapi.json`.
 //! - [`config`]: the TOML file and its env overrides; [`server`]: start and
@@ -17,6 +18,7 @@
 
 pub mod actors;
 pub mod agent;
+pub mod cluster;
 pub mod config;
 pub mod event;
 pub mod gateway;

@@ -4,7 +4,6 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use linger::config::{Config, LogFormat};
 use linger::server::Server;
@@ -19,19 +18,26 @@ mod cli;
     version,
     about = "Keeps AI-agent conversations alive when their websocket goes away"
 )]
+#[command(args_conflicts_with_subcommands = true)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// `serve`'s arguments, for `linger` alone (serve is the default).
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// The TOML config file (default: config/linger.toml when present).
+    #[arg(long, env = "LINGER_CONFIG")]
+    config: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Serve the websocket gateway (the default).
-    Serve {
-        /// The TOML config file (default: config/linger.toml when present).
-        #[arg(long, env = "LINGER_CONFIG")]
-        config: Option<PathBuf>,
-    },
+    Serve(ServeArgs),
     /// Create a conversation and print its id.
     New(cli::new::Args),
     /// List your conversations.
@@ -62,26 +68,49 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// SIGTERM and Ctrl-C, listened for from before the server starts: a
+/// signal that came while it was starting would otherwise kill the process
+/// the default way, with no graceful shutdown at all.
+struct ShutdownSignals {
     #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
+    streams: Vec<tokio::signal::unix::Signal>,
+}
+
+impl ShutdownSignals {
+    fn install() -> ShutdownSignals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut streams = Vec::new();
+            for (kind, name) in [
+                (SignalKind::terminate(), "SIGTERM"),
+                (SignalKind::interrupt(), "SIGINT"),
+            ] {
+                match signal(kind) {
+                    Ok(stream) => streams.push(stream),
+                    Err(e) => eprintln!("linger: cannot listen for {name}: {e}"),
                 }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            }
+            ShutdownSignals { streams }
         }
+        #[cfg(not(unix))]
+        ShutdownSignals {}
     }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
+
+    async fn wait(self) {
+        #[cfg(unix)]
+        {
+            let mut streams = self.streams;
+            if streams.is_empty() {
+                return std::future::pending().await;
+            }
+            let any = streams.iter_mut().map(|s| Box::pin(s.recv()));
+            futures_util::future::select_all(any).await;
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
@@ -99,12 +128,12 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config_path = match cli.command {
         Some(Command::Bench(args)) => return bench::run(args).await,
-        Some(Command::Serve { config }) => config,
+        Some(Command::Serve(args)) => args.config,
         Some(Command::New(args)) => return client(cli::new::run(args).await),
         Some(Command::Ls(args)) => return client(cli::ls::run(args).await),
         Some(Command::Send(args)) => return client(cli::send::run(args).await),
         Some(Command::Attach(args)) => return client(cli::attach::run(args).await),
-        None => std::env::var_os("LINGER_CONFIG").map(PathBuf::from),
+        None => cli.serve.config,
     };
     let config = match Config::load(config_path.as_deref()) {
         Ok(config) => config,
@@ -114,8 +143,15 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     init_logging(config.log.format);
-    let server = Server::start(config).await.context("starting linger")?;
-    shutdown_signal().await;
+    let signals = ShutdownSignals::install();
+    let server = match Server::start(config).await {
+        Ok(server) => server,
+        Err(e) => {
+            eprintln!("linger: cannot start: {e}");
+            std::process::exit(1);
+        }
+    };
+    signals.wait().await;
     server.shutdown().await;
     Ok(())
 }

@@ -82,6 +82,16 @@ pub fn store_commit(duration: Duration, commands: usize) {
     histogram!("linger_store_commit_group_size").record(commands as f64);
 }
 
+/// 1 while the store can write, 0 while writes fail.
+pub fn store_available(available: bool) {
+    gauge!("linger_store_available").set(if available { 1.0 } else { 0.0 });
+}
+
+/// An append the store could not write (disk full, I/O error, ...).
+pub fn store_append_failed() {
+    counter!("linger_store_append_failures_total").increment(1);
+}
+
 pub fn active_conversations(status: Status, count: usize) {
     gauge!("linger_active_conversations", "status" => status.as_str()).set(count as f64);
 }

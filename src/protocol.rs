@@ -222,6 +222,8 @@ pub enum ErrorCode {
     LimitReached,
     RateLimited,
     TooManyConnections,
+    /// The store cannot write now: nothing was recorded; retry later.
+    StoreUnavailable,
     Internal,
 }
 

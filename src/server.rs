@@ -12,6 +12,7 @@ use ractor::{Actor, ActorRef};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
@@ -21,17 +22,23 @@ use crate::agent::Agent;
 use crate::config::{AgentKind, Config};
 use crate::gateway::auth::Authenticator;
 use crate::gateway::{self, AppState};
+use crate::store::lock::StoreLock;
 use crate::store::sqlite::SqliteStore;
 use crate::store::Store;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    #[error(transparent)]
+    Lock(#[from] crate::store::lock::LockError),
     #[error("store at {path}: {source}")]
     Store {
         path: String,
         source: crate::store::StoreError,
     },
-    #[error("cannot listen on {addr}: {source}")]
+    #[error(
+        "cannot listen on {addr}: {source}{hint}",
+        hint = listen_hint(.source)
+    )]
     Listen {
         addr: SocketAddr,
         source: std::io::Error,
@@ -42,6 +49,16 @@ pub enum StartError {
     Auth(String),
     #[error("supervisor: {0}")]
     Supervisor(String),
+}
+
+/// What to do about a port that is taken.
+fn listen_hint(error: &std::io::Error) -> &'static str {
+    if error.kind() == std::io::ErrorKind::AddrInUse {
+        "; another program has this port: choose another with server.listen \
+         (LINGER__SERVER__LISTEN=127.0.0.1:7421, or port 0 for any free one)"
+    } else {
+        ""
+    }
 }
 
 /// Connections the kernel may hold before they are accepted. tokio's
@@ -71,9 +88,14 @@ pub struct Server {
     supervisor: ActorRef<SupervisorMsg>,
     accept_stop: CancellationToken,
     sockets_stop: CancellationToken,
+    /// The upgraded sockets' tasks, waited for at shutdown.
+    sockets: TaskTracker,
     http: JoinHandle<()>,
     prune: JoinHandle<()>,
+    probe: JoinHandle<()>,
     agent: Arc<dyn Agent>,
+    /// Held until the process exits: the store is this server's alone.
+    _lock: StoreLock,
 }
 
 /// Deletes history older than `store.retain`, now and then, in the
@@ -97,6 +119,20 @@ async fn prune_loop(store: Arc<dyn Store>, retain: Duration) {
     }
 }
 
+/// While the store cannot write, probes it now and then so that its health
+/// (and `/healthz`) turns good again by itself once space is freed, even if
+/// no conversation tries to write.
+async fn probe_loop(store: Arc<dyn Store>) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        if store.health().is_err() {
+            let _ = store.probe().await;
+        }
+    }
+}
+
 fn build_agent(config: &Config) -> Result<Arc<dyn Agent>, StartError> {
     match config.agent.kind {
         AgentKind::Demo => Ok(Arc::new(DemoAgent)),
@@ -109,15 +145,39 @@ fn build_agent(config: &Config) -> Result<Arc<dyn Agent>, StartError> {
 
 impl Server {
     pub async fn start(config: Config) -> Result<Server, StartError> {
+        Server::start_with_store(config, |store| store).await
+    }
+
+    /// [`Server::start`] with the opened store wrapped by `wrap` (a test
+    /// injects store faults this way).
+    pub async fn start_with_store(
+        config: Config,
+        wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>,
+    ) -> Result<Server, StartError> {
         let config = Arc::new(config);
         // Install the recorder before anything counts.
         crate::metrics::handle();
         let path = config.store.path.clone();
+        // The store is ours before anything in it is read or written, and
+        // the port before recovery writes a word: a second server on this
+        // store, or on a taken port, changes nothing.
+        let mut lock = StoreLock::acquire(&path)?;
+        let listener = listen(config.server.listen).map_err(|source| StartError::Listen {
+            addr: config.server.listen,
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Listen {
+            addr: config.server.listen,
+            source,
+        })?;
+        if let Err(e) = lock.describe_holder(Some(addr)) {
+            warn!(error = %e, lock = %lock.path().display(), "cannot write the store lock's holder");
+        }
         let store_err = |source| StartError::Store {
             path: path.display().to_string(),
             source,
         };
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&path).map_err(store_err)?);
+        let store: Arc<dyn Store> = wrap(Arc::new(SqliteStore::open(&path).map_err(store_err)?));
         let recovered = crate::recovery::recover(&store).await.map_err(store_err)?;
         if recovered > 0 {
             info!(
@@ -126,6 +186,7 @@ impl Server {
             );
         }
         let prune = tokio::spawn(prune_loop(store.clone(), config.store.retain));
+        let probe = tokio::spawn(probe_loop(store.clone()));
         let agent = build_agent(&config)?;
         let auth = Authenticator::from_config(&config.auth).map_err(StartError::Auth)?;
         let (supervisor, _) = Actor::spawn(
@@ -140,21 +201,15 @@ impl Server {
         .await
         .map_err(|e| StartError::Supervisor(e.to_string()))?;
 
-        let listener = listen(config.server.listen).map_err(|source| StartError::Listen {
-            addr: config.server.listen,
-            source,
-        })?;
-        let addr = listener.local_addr().map_err(|source| StartError::Listen {
-            addr: config.server.listen,
-            source,
-        })?;
         let accept_stop = CancellationToken::new();
         let sockets_stop = CancellationToken::new();
+        let sockets = TaskTracker::new();
         let app = gateway::router(AppState {
             config: config.clone(),
             store: store.clone(),
             supervisor: supervisor.clone(),
             shutdown: sockets_stop.clone(),
+            sockets: sockets.clone(),
             next_connection: Arc::new(AtomicU64::new(1)),
             connections: Default::default(),
             auth: Arc::new(auth),
@@ -184,9 +239,12 @@ impl Server {
             supervisor,
             accept_stop,
             sockets_stop,
+            sockets,
             http,
             prune,
+            probe,
             agent,
+            _lock: lock,
         })
     }
 
@@ -206,19 +264,27 @@ impl Server {
             if !matches!(stopped, Ok(CallResult::Success(()))) {
                 warn!("not every conversation stopped in time");
             }
-            // Close every socket with 1001 once what is queued is sent.
+            // Close every socket with 1001 once what is queued is sent, and
+            // wait until each close frame is out (or its client gone):
+            // exiting first would cut the sockets without one.
             self.sockets_stop.cancel();
+            self.sockets.close();
+            let sockets_closed = self.sockets.wait();
             // Agent processes get end of input, then SIGTERM, before we go.
-            self.agent.drained().await;
-            if let Err(e) = self.store.flush().await {
-                warn!(error = %e, "flushing the store failed");
-            }
+            let drained = async {
+                self.agent.drained().await;
+                if let Err(e) = self.store.flush().await {
+                    warn!(error = %e, "flushing the store failed");
+                }
+            };
+            tokio::join!(sockets_closed, drained);
         };
         if tokio::time::timeout(grace, steps).await.is_err() {
             warn!("shutdown grace ran out");
         }
         self.sockets_stop.cancel();
         self.prune.abort();
+        self.probe.abort();
         self.supervisor.stop(None);
         let _ = tokio::time::timeout(Duration::from_secs(2), self.http).await;
         info!("shutdown complete");

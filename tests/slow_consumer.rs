@@ -162,13 +162,16 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
     }
 }
 
-/// A client that reads nothing for `SLOW_CONSUMER_PATIENCE` (30 s) while
-/// frames wait for it is closed with 4008, and that close reaches it when it
-/// reads again; the conversation and its other client carry on.
+/// A client that reads nothing for `limits.slow_consumer_patience` (here
+/// 2 s) while frames wait for it is closed with 4008, and that close reaches
+/// it when it reads again; the conversation and its other client carry on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_reads_nothing_for_30s_is_closed_with_4008() {
+async fn a_client_that_reads_nothing_for_its_patience_is_closed_with_4008() {
     let (_dir, store) = temp_store();
-    let mut server = ServerProcess::spawn(&store, "[limits]\nmax_outbound_frames = 16\n");
+    let mut server = ServerProcess::spawn(
+        &store,
+        "[limits]\nmax_outbound_frames = 16\nslow_consumer_patience = \"2s\"\n",
+    );
     let url = server.ws_url("alice");
     let mut slow = Client::connect_small_buffer(&url, "alice", 4096).await;
     let id = slow.create().await;
@@ -179,8 +182,8 @@ async fn a_client_that_reads_nothing_for_30s_is_closed_with_4008() {
     // queue many times over.
     fast.send_message(&id, "/stream 20000 0").await;
     let (after_turn, _, _, _) = read_turn(&mut fast, &id, 3).await;
-    // The server gives up on the slow client after 30 s without progress:
-    // wait for it to say so (no client reads meanwhile).
+    // The server gives up on the slow client after its patience without
+    // progress: wait for it to say so (no client reads meanwhile).
     let line = server.wait_for_log_within(std::time::Duration::from_secs(90), |l| {
         l.contains("connection closed")
     });

@@ -128,11 +128,8 @@ async fn idle_close_fires_within_the_margin() {
         quiet >= Duration::from_millis(300),
         "closed after {quiet:?}"
     );
-    // Margin of §6: close_delay plus max(1 s, close_delay / 10).
-    assert!(
-        quiet <= Duration::from_millis(1300),
-        "closed after {quiet:?}"
-    );
+    // The upper margin of §6 is checked in virtual time, where a busy
+    // machine cannot break it (`actors::rule_tests`).
     let (status, summary) = server
         .get(&format!("/v1/conversations/{id}"), Some("alice"))
         .await;

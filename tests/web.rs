@@ -163,7 +163,7 @@ return {
   id: text('#conv-id'),
   composer: !q('#composer').hidden,
   assistant: [...document.querySelectorAll('#transcript .msg.assistant')]
-    .map((b) => ({ text: b.textContent, final: b.dataset.final === 'true' })),
+    .map((b) => ({ text: b.textContent.trim(), final: b.dataset.final === 'true' })),
   users: [...document.querySelectorAll('#transcript .msg.user')].map((b) => b.textContent),
   notes: [...document.querySelectorAll('#transcript .note')].map((n) => n.textContent),
   tools: [...document.querySelectorAll('#transcript .tool')]
@@ -179,6 +179,26 @@ window.__errors = [];
 window.addEventListener('error', (e) => window.__errors.push(String(e.message)));
 window.addEventListener('unhandledrejection', (e) => window.__errors.push(String(e.reason)));
 return !!window.linger;
+"#;
+
+/// The demo agent echoes a message word by word: a one-line Markdown list
+/// item with HTML and a `javascript:` link that must stay inert.
+const MARKDOWN_MESSAGE: &str = "- **bold** `code` <b>raw</b> <img src=x onerror=window.pwned=1> \
+     [docs](https://example.com/) [bad](javascript:window.pwned=1)";
+
+/// What the last reply's bubble holds.
+const MARKDOWN_CHECK: &str = r#"
+const bubbles = document.querySelectorAll('#transcript .msg.assistant');
+const b = bubbles[bubbles.length - 1];
+return {
+  items: b.querySelectorAll('ul > li').length,
+  strong: b.querySelectorAll('strong').length,
+  code: b.querySelectorAll('code').length,
+  img: b.querySelectorAll('img').length,
+  b: b.querySelectorAll('b').length,
+  links: [...b.querySelectorAll('a')].map((a) => [a.href, a.rel]),
+  pwned: !!window.pwned,
+};
 "#;
 
 struct Page<'a> {
@@ -302,8 +322,10 @@ fn prefix_of(whole: String, index: usize, seen: &mut usize) -> impl FnMut(&Value
     }
 }
 
+/// Replies are Markdown: a bubble's text is the rendered text, without the
+/// trailing space of a streamed reply.
 fn is_whole(state: &Value, whole: &str) -> bool {
-    last_reply(state) == Some((whole, true))
+    last_reply(state) == Some((whole.trim(), true))
 }
 
 async fn rest_create(server: &TestServer, title: &str) -> String {
@@ -433,7 +455,7 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
         .unwrap_or_default();
     assert_eq!(
         replies,
-        vec![whole.as_str(), whole40.as_str()],
+        vec![whole.trim(), whole40.trim()],
         "each reply once after the reload"
     );
     assert_eq!(
@@ -456,6 +478,27 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
         })
         .await;
     assert_eq!(state["tools"][0]["state"], "answered", "{state:#}");
+
+    // Replies are Markdown, and what the agent writes as HTML stays text.
+    page.send(MARKDOWN_MESSAGE).await;
+    page.wait("the Markdown reply", |s| {
+        last_reply(s).is_some_and(|(t, done)| done && t.contains("<img"))
+    })
+    .await;
+    let markup = page
+        .client()
+        .execute(MARKDOWN_CHECK, vec![])
+        .await
+        .unwrap_or_else(|e| panic!("reading the Markdown reply: {e}"));
+    assert_eq!(
+        markup,
+        json!({
+            "items": 1, "strong": 1, "code": 1, "img": 0, "b": 0,
+            "links": [["https://example.com/", "noopener noreferrer nofollow"]],
+            "pwned": false,
+        }),
+        "rendered as Markdown, the agent's HTML and the javascript: link shown as text"
+    );
     page.screenshot("web.png").await;
 
     // Stop a turn from the page.

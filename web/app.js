@@ -1,9 +1,20 @@
-// The linger web client: conversations, a chat view that resumes by seq,
-// client tool calls, and a socket that comes back by itself.
+// The linger web page, on top of the JavaScript client (clients/js, served
+// as ./linger/): conversations, a chat view that resumes by seq, client
+// tool calls answered on cards, and the connection kept apart from the
+// agent's status. The client does the protocol; this file draws it.
 
-import * as api from './api.js';
-import { Connection } from './connection.js';
-import { Transcript, stopWords, detachWords } from './transcript.js';
+import { LingerClient, localStorageStore } from './linger/index.js';
+import { renderMarkdown } from './markdown.js';
+
+const TOKEN_KEY = 'linger.token';
+const getToken = () => localStorage.getItem(TOKEN_KEY) || '';
+function setToken(token) {
+  if (token) localStorage.setItem(TOKEN_KEY, token);
+  else localStorage.removeItem(TOKEN_KEY);
+}
+
+// Each conversation's last seq and transcript, so a reload resumes.
+const store = localStorageStore();
 
 const $ = (id) => document.getElementById(id);
 
@@ -12,11 +23,6 @@ function h(tag, cls, text) {
   if (cls) node.className = cls;
   if (text !== undefined) node.textContent = text;
   return node;
-}
-
-function newId() {
-  if (crypto.randomUUID) return crypto.randomUUID();
-  return `${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
 }
 
 function ago(iso) {
@@ -29,300 +35,101 @@ function ago(iso) {
   return `${Math.round(s / 86400)}d ago`;
 }
 
+// ---- plain words ----
+
 const STATUS_WORDS = { running: 'running', waiting: 'waiting for you', idle: 'idle', stopped: 'stopped' };
+// agent_stopped reasons (protocol §4) and detached reasons.
+const STOP_WORDS = {
+  idle: 'it was idle for a while',
+  user_limit: 'too many conversations',
+  closed: 'it was closed',
+  shutdown: 'server restart',
+  restart_recovery: 'server restart',
+  deleted: 'it was deleted',
+  node_lost: 'server restart',
+};
+const DETACH_WORDS = {
+  client: 'you detached',
+  user_limit: 'too many conversations',
+  closed: 'it was closed',
+  deleted: 'it was deleted',
+  shutdown: 'server restart',
+  moved: 'it moved to another server',
+};
+const TURN_END_WORDS = {
+  failed: 'The turn failed',
+  stopped: 'Turn stopped.',
+  abandoned: 'Turn abandoned: nobody was attached for too long.',
+  interrupted: 'Turn interrupted by a server restart.',
+};
+const words = (table, reason) => table[reason] || (reason ? String(reason).replaceAll('_', ' ') : 'unknown reason');
+
+function sendFailure(e) {
+  if (e.code === 'queue_full') return 'not sent: too many messages are queued';
+  if (e.code === 'limit_reached') return 'not sent: too many conversations are active';
+  return `not sent: ${e.message}`;
+}
+
+// ---- state ----
+
+const state = {
+  client: null,
+  list: [],
+  listError: null,
+  // The open conversation: { id, mode, conv, offs, failed, gone, problem,
+  // summary }.
+  open: null,
+};
+// A handle for debugging from the console (and for the browser test).
+window.linger = state;
 
 // The open conversation's status the list was last drawn with.
 let lastListKey = '';
 
-const state = {
-  list: [],
-  listError: null,
-  // The open conversation: { id, mode, transcript, attached, attaching,
-  // outbox, gone, problem }.
-  open: null,
-};
-
-const conn = new Connection({
-  url: api.socketUrl,
-  check: async () => {
-    try {
-      await api.listConversations();
-      return 'ok';
-    } catch (e) {
-      if (e.status === 401) return 'unauthorized';
-      return e.status === 0 ? 'unreachable' : 'ok';
-    }
-  },
-  onOpen: () => sync(),
-  onFrame: (frame) => onFrame(frame),
-  onState: (s, detail) => showConnection(s, detail),
-});
-
-// A handle for debugging from the console (and for the browser test).
-window.linger = { connection: conn, state };
+function startClient() {
+  if (state.client) state.client.disconnect();
+  state.client = null;
+  if (!getToken()) {
+    showConnection('idle');
+    return;
+  }
+  const client = new LingerClient({ url: document.baseURI, token: getToken, store });
+  client.on('state', (s, detail) => {
+    if (client === state.client) showConnection(s, detail);
+  });
+  state.client = client;
+  client.connect().catch(() => {
+    // 'unauthorized' is shown by the state listener.
+  });
+}
 
 // ---- connection indicator (never mixed up with the agent's status) ----
 
 function showConnection(s, detail) {
   const node = $('conn');
-  const words = {
-    idle: api.getToken() ? 'offline' : 'not signed in',
+  const text = {
+    idle: getToken() ? 'offline' : 'not signed in',
     connecting: 'connecting…',
     connected: 'connected',
     reconnecting: 'reconnecting…',
     unauthorized: 'token refused',
   };
   node.dataset.state = s;
-  node.textContent = words[s] || s;
-  node.title = detail && detail.why ? `${detail.why}; retrying in ${Math.ceil(detail.retryInMs / 1000)}s` : '';
-  if (s !== 'connected') {
-    const o = state.open;
-    if (o) {
-      // The server detaches a socket that goes away; what was sent and not
-      // acknowledged is sent again (same client_msg_id) after the re-attach.
-      o.attached = false;
-      o.attaching = false;
-      for (const m of o.outbox) if (!m.acked) m.sent = false;
-    }
-  }
+  node.textContent = text[s] || s;
+  node.title = detail && detail.why && detail.retryInMs !== undefined ? `${detail.why}; retrying in ${Math.ceil(detail.retryInMs / 1000)}s` : '';
   if (s === 'unauthorized') {
     state.listError = 'The server refused this token.';
     renderList();
   }
+  if (s === 'connected') refreshList();
   renderHead();
 }
-
-// ---- frames ----
-
-function onFrame(f) {
-  const o = state.open;
-  const mine = o && f.conversation_id === o.id;
-  switch (f.type) {
-    case 'event':
-      if (mine) {
-        o.transcript.apply(f);
-        if (f.kind === 'user_message' && f.data && f.data.client_msg_id) {
-          o.outbox = o.outbox.filter((m) => m.cmid !== f.data.client_msg_id);
-          renderOutbox();
-        }
-        if (f.kind === 'agent_stopped' && f.data && f.data.reason === 'deleted') {
-          o.gone = 'This conversation was deleted.';
-        }
-        // A stop or a start here often goes with one elsewhere (user limit).
-        if (f.kind === 'agent_stopped' || f.kind === 'agent_started') refreshSoon();
-        scheduleSave();
-        renderHead();
-      }
-      break;
-    case 'attached':
-      if (!mine) {
-        // An attach that raced with switching away: let it go.
-        conn.send({ type: 'detach', conversation_id: f.conversation_id });
-        break;
-      }
-      o.attached = true;
-      o.attaching = false;
-      o.problem = null;
-      o.transcript.gap(f.replay_from);
-      if (f.replay_from > o.transcript.lastSeq + 1) o.transcript.lastSeq = f.replay_from - 1;
-      o.detachReason = null;
-      o.transcript.status = f.status;
-      flushOutbox();
-      renderHead();
-      break;
-    case 'detached':
-      if (mine) {
-        o.attached = false;
-        o.attaching = false;
-        if (f.reason === 'deleted') o.gone = 'This conversation was deleted.';
-        else if (f.reason !== 'client') o.detachReason = f.reason;
-        renderHead();
-      }
-      break;
-    case 'ack':
-      onAck(f);
-      break;
-    case 'error':
-      onError(f);
-      break;
-    default:
-      break;
-  }
-}
-
-function reqParts(f) {
-  const req = typeof f.req === 'string' ? f.req : '';
-  const i = req.indexOf(':');
-  return i < 0 ? [req, ''] : [req.slice(0, i), req.slice(i + 1)];
-}
-
-function onAck(f) {
-  const o = state.open;
-  if (!o || f.conversation_id !== o.id) return;
-  const [what, key] = reqParts(f);
-  if (what === 'msg') {
-    const m = o.outbox.find((x) => x.cmid === key);
-    if (m) m.acked = true;
-  } else if (what === 'tool') {
-    const card = document.querySelector(`.tool[data-call="${CSS.escape(key)}"]`);
-    if (card) card.dataset.sent = 'true';
-  }
-}
-
-function onError(f) {
-  const o = state.open;
-  const [what, key] = reqParts(f);
-  if (!o) return;
-  if (what === 'attach' && key === o.id) {
-    o.attaching = false;
-    if (f.code === 'not_found') {
-      o.gone = 'This conversation does not exist (any more).';
-      Transcript.forget(o.id);
-    } else if (f.code === 'limit_reached') {
-      o.problem = 'Too many conversations are active; close one to resume this one.';
-      failOutbox(o, 'not sent: too many conversations are active');
-    } else {
-      o.problem = `Could not attach: ${f.message}`;
-      failOutbox(o, `not sent: ${f.message}`);
-    }
-  } else if (what === 'msg') {
-    const m = o.outbox.find((x) => x.cmid === key);
-    if (!m) return;
-    if (f.code === 'not_attached') {
-      o.attached = false;
-      m.sent = false;
-      flushOutbox();
-      return;
-    }
-    m.error = f.code === 'queue_full' ? 'not sent: too many messages are queued' : `not sent: ${f.message}`;
-  } else if (what === 'tool') {
-    const card = document.querySelector(`.tool[data-call="${CSS.escape(key)}"]`);
-    const line = card && card.querySelector('.tool-error');
-    if (line) line.textContent = f.code === 'unknown_call' ? 'This call was already answered.' : f.message;
-  } else if (f.conversation_id === o.id || !f.conversation_id) {
-    o.problem = f.message;
-  }
-  renderHead();
-  renderOutbox();
-}
-
-function failOutbox(o, why) {
-  for (const m of o.outbox) if (!m.sent) m.error = why;
-}
-
-// ---- attach, or read history without activating ----
-
-async function sync() {
-  const o = state.open;
-  if (!o || o.gone) return;
-  let summary = null;
-  try {
-    summary = await api.getConversation(o.id);
-  } catch (e) {
-    if (state.open !== o) return;
-    if (e.status === 404) {
-      o.gone = 'This conversation does not exist (any more).';
-      Transcript.forget(o.id);
-      renderHead();
-      return;
-    }
-  }
-  if (state.open !== o) return;
-  if (summary) {
-    o.summary = summary;
-    o.transcript.title = summary.title || o.transcript.title;
-  }
-  const wantsResume = o.mode === 'control' && o.outbox.some((m) => !m.error);
-  if (summary && summary.status === 'stopped' && !wantsResume) {
-    // Reading a stopped conversation does not start it again.
-    try {
-      const events = await api.eventsAfter(o.id, o.transcript.lastSeq);
-      if (state.open !== o) return;
-      events.forEach((ev) => o.transcript.apply(ev));
-      o.transcript.status = 'stopped';
-      scheduleSave();
-    } catch (e) {
-      o.problem = `Could not read the history: ${e.message}`;
-    }
-    renderHead();
-    return;
-  }
-  attach(o);
-}
-
-function attach(o) {
-  if (!conn.connected || o.attached || o.attaching || o.gone) return;
-  o.attaching = true;
-  conn.send({
-    type: 'attach',
-    conversation_id: o.id,
-    last_seq: o.transcript.lastSeq,
-    mode: o.mode,
-    req: `attach:${o.id}`,
-  });
-}
-
-// ---- sending ----
-
-function flushOutbox() {
-  const o = state.open;
-  if (!o || o.mode !== 'control' || o.gone) return;
-  if (!o.outbox.some((m) => !m.sent && !m.error)) return;
-  if (!conn.connected) return;
-  if (!o.attached) {
-    // A stopped conversation resumes: attach first, then the message.
-    attach(o);
-    return;
-  }
-  for (const m of o.outbox) {
-    if (m.sent || m.error) continue;
-    conn.send({ type: 'message', conversation_id: o.id, text: m.text, client_msg_id: m.cmid, req: `msg:${m.cmid}` });
-    m.sent = true;
-  }
-  renderOutbox();
-}
-
-function sendMessage(text) {
-  const o = state.open;
-  if (!o || o.mode !== 'control' || o.gone) return;
-  o.outbox.push({ cmid: newId(), text, sent: false, acked: false, error: null });
-  o.problem = null;
-  renderOutbox();
-  flushOutbox();
-}
-
-function sendToolResult(callId, output, isError) {
-  const o = state.open;
-  if (!o || !o.attached) return false;
-  return conn.send({
-    type: 'tool_result',
-    conversation_id: o.id,
-    call_id: callId,
-    output,
-    is_error: isError,
-    req: `tool:${callId}`,
-  });
-}
-
-// ---- saving the transcript for reloads ----
-
-let saveTimer = null;
-function scheduleSave() {
-  if (saveTimer) return;
-  saveTimer = setTimeout(() => {
-    saveTimer = null;
-    if (state.open && !state.open.gone) state.open.transcript.save();
-  }, 200);
-}
-window.addEventListener('pagehide', () => {
-  if (state.open && !state.open.gone) state.open.transcript.save();
-});
 
 // ---- opening conversations ----
 
 function route() {
   const m = /^#(open|observe)=(.+)$/.exec(location.hash);
-  if (!m) {
+  if (!m || !state.client) {
     closeView();
     return;
   }
@@ -333,11 +140,12 @@ function route() {
 }
 
 function leave() {
-  const prev = state.open;
-  if (!prev) return;
-  if (prev.attached || prev.attaching) conn.send({ type: 'detach', conversation_id: prev.id });
-  prev.transcript.view = null;
-  if (!prev.gone) prev.transcript.save();
+  const o = state.open;
+  if (!o) return;
+  o.offs.forEach((off) => off());
+  // Detached and forgotten: opening it again (maybe in another mode)
+  // makes a new handle from the stored seq and transcript.
+  if (!o.gone) o.conv.detach();
   state.open = null;
 }
 
@@ -350,37 +158,144 @@ function closeView() {
 
 function openConversation(id, mode) {
   leave();
-  const transcript = Transcript.load(id);
+  const conv = state.client.conversation(id, { mode });
   const o = {
     id,
     mode,
-    transcript,
-    attached: false,
-    attaching: false,
-    outbox: [],
+    conv,
+    offs: [],
+    failed: [],
     gone: null,
     problem: null,
-    detachReason: null,
     summary: state.list.find((s) => s.id === id) || null,
   };
   state.open = o;
+  bindTranscript(o);
+  o.offs.push(
+    conv.on('reset', () => bindTranscript(o)),
+    conv.on('event', (ev) => {
+      if (ev.kind === 'agent_stopped' && ev.data && ev.data.reason === 'deleted') o.gone = 'This conversation was deleted.';
+      // A stop or a start here often goes with one elsewhere (user limit).
+      if (ev.kind === 'agent_stopped' || ev.kind === 'agent_started') refreshSoon();
+      renderHead();
+    }),
+    conv.on('attached', () => {
+      o.problem = null;
+      renderHead();
+    }),
+    conv.on('detached', ({ reason }) => {
+      if (reason === 'deleted') o.gone = 'This conversation was deleted.';
+      renderHead();
+    }),
+    conv.on('outbox', () => renderOutbox()),
+    conv.on('connection', () => renderHead()),
+    conv.on('error', (e) => {
+      if (e.code === 'gap') return; // the client attaches again by itself
+      if (e.code === 'not_found') {
+        o.gone = 'This conversation does not exist (any more).';
+        store.remove(o.id);
+      } else if (e.code === 'limit_reached') {
+        o.problem = 'Too many conversations are active; close one to resume this one.';
+      } else {
+        o.problem = e.message;
+      }
+      renderHead();
+    }),
+  );
   $('empty').hidden = true;
   $('conversation').hidden = false;
-  transcriptView.reset(transcript);
-  transcript.view = transcriptView;
   renderOutbox();
   renderHead();
   renderList();
   if (mode === 'control') $('message').focus();
-  sync();
+  sync(o);
 }
 
-// ---- rendering ----
+// Attaches, or reads a stopped conversation's history over REST without
+// starting it again.
+async function sync(o) {
+  if (o.gone) return;
+  let summary = null;
+  try {
+    summary = await state.client.get(o.id);
+  } catch (e) {
+    if (state.open !== o) return;
+    if (e.status === 404) {
+      o.gone = 'This conversation does not exist (any more).';
+      store.remove(o.id);
+      renderHead();
+      return;
+    }
+  }
+  if (state.open !== o) return;
+  if (summary) {
+    o.summary = summary;
+    if (summary.title) o.conv.transcript.title = summary.title;
+  }
+  if (summary && summary.status === 'stopped' && o.conv.outbox.length === 0) {
+    try {
+      await o.conv.loadHistory();
+      o.conv.transcript.status = 'stopped';
+    } catch (e) {
+      o.problem = `Could not read the history: ${e.message}`;
+    }
+    renderHead();
+    return;
+  }
+  o.conv.attach().catch(() => {
+    // Reported by the 'error' listener.
+  });
+}
 
-const transcriptView = {
+// ---- sending ----
+
+function sendMessage(text) {
+  const o = state.open;
+  if (!o || o.mode !== 'control' || o.gone) return;
+  o.problem = null;
+  o.conv.send(text).catch((e) => {
+    o.failed.push({ text, error: sendFailure(e) });
+    renderOutbox();
+  });
+  renderOutbox();
+}
+
+// ---- rendering the transcript ----
+
+function bindTranscript(o) {
+  if (o.unbind) o.unbind();
+  const t = o.conv.transcript;
+  const offs = [t.on('add', (item) => view.add(item)), t.on('update', (item) => view.update(item)), t.on('remove', (item) => view.remove(item))];
+  o.unbind = () => offs.forEach((off) => off());
+  o.offs.push(o.unbind);
+  view.reset(t);
+}
+
+// Streamed text is drawn at most once a frame: a long reply would
+// otherwise be parsed as Markdown for every word.
+const dirty = new Map();
+let frame = 0;
+function drawSoon(item, node) {
+  dirty.set(node, item);
+  if (!frame) frame = requestAnimationFrame(drawDirty);
+}
+function drawDirty() {
+  frame = 0;
+  const stick = nearBottom();
+  for (const [node, item] of dirty) drawText(node, item);
+  dirty.clear();
+  scrollDown(stick);
+}
+function drawText(node, item) {
+  renderMarkdown(node, item.text);
+  node.dataset.final = String(item.final);
+}
+
+const view = {
   nodes: new Map(),
   reset(t) {
     this.nodes.clear();
+    dirty.clear();
     $('transcript').replaceChildren();
     t.items.forEach((item) => this.add(item));
     scrollDown(true);
@@ -391,25 +306,36 @@ const transcriptView = {
     this.nodes.set(item.key, node);
     $('transcript').append(node);
     scrollDown(stick);
+    renderOutbox();
   },
   update(item) {
     const old = this.nodes.get(item.key);
     if (!old) return this.add(item);
-    const stick = nearBottom();
-    if (item.k === 'text') {
-      old.textContent = item.text;
-      old.dataset.final = String(item.final);
-    } else {
-      const node = renderItem(item);
-      old.replaceWith(node);
-      this.nodes.set(item.key, node);
+    if (item.kind === 'assistant') {
+      // The final text at once; streamed words with the next frame.
+      if (item.final) {
+        dirty.delete(old);
+        const stick = nearBottom();
+        drawText(old, item);
+        scrollDown(stick);
+      } else {
+        drawSoon(item, old);
+      }
+      return undefined;
     }
+    const stick = nearBottom();
+    const node = renderItem(item);
+    old.replaceWith(node);
+    this.nodes.set(item.key, node);
     scrollDown(stick);
     return undefined;
   },
   remove(item) {
     const node = this.nodes.get(item.key);
-    if (node) node.remove();
+    if (node) {
+      dirty.delete(node);
+      node.remove();
+    }
     this.nodes.delete(item.key);
   },
 };
@@ -427,22 +353,33 @@ function scrollDown(stick) {
 }
 
 function renderItem(item) {
-  switch (item.k) {
+  switch (item.kind) {
     case 'user': {
       const node = h('div', 'msg user', item.text);
       node.dataset.seq = item.seq;
       return node;
     }
-    case 'text': {
-      const node = h('div', 'msg assistant', item.text);
-      node.dataset.turn = item.turn;
-      node.dataset.final = String(item.final);
+    case 'assistant': {
+      const node = h('div', 'msg assistant');
+      node.dataset.turn = item.turnId;
+      drawText(node, item);
       return node;
     }
     case 'tool':
       return renderTool(item);
+    case 'turn_end': {
+      const base = TURN_END_WORDS[item.status] || `Turn ended: ${item.status}.`;
+      const text = item.status === 'failed' && item.error ? `${base}: ${item.error}` : base;
+      return h('div', item.status === 'failed' ? 'note bad' : 'note', text);
+    }
+    case 'stopped':
+      return h('div', 'note', `Stopped: ${words(STOP_WORDS, item.reason)}.`);
+    case 'resumed':
+      return h('div', 'note', 'Resumed.');
+    case 'gap':
+      return h('div', 'note', 'Older history was deleted by retention.');
     default:
-      return h('div', item.bad ? 'note bad' : 'note', item.text);
+      return h('div', 'note', '');
   }
 }
 
@@ -457,14 +394,14 @@ function json(value) {
 function renderTool(item) {
   const o = state.open;
   const card = h('div', 'tool');
-  card.dataset.call = item.call_id;
+  card.dataset.call = item.callId;
   card.dataset.state = item.answered ? 'answered' : item.expired ? 'expired' : 'pending';
   const head = h('div', 'tool-head', `Tool call: ${item.name}`);
-  head.append(h('span', 'mono', item.call_id));
+  head.append(h('span', 'mono', item.callId));
   card.append(head);
   card.append(h('pre', 'mono', json(item.args)));
   if (item.answered) {
-    card.append(h('div', 'tool-output', `${item.is_error ? 'error' : 'result'}: ${JSON.stringify(item.output)}`));
+    card.append(h('div', 'tool-output', `${item.isError ? 'error' : 'result'}: ${JSON.stringify(item.output)}`));
     return card;
   }
   if (item.expired) {
@@ -503,28 +440,40 @@ function renderTool(item) {
       return;
     }
     error.textContent = '';
-    if (!sendToolResult(item.call_id, output, isError.checked)) {
-      error.textContent = 'Not connected: try again when the connection is back.';
-    }
+    o.conv.answer(item.callId, output, { isError: isError.checked }).then(
+      () => {
+        card.dataset.sent = 'true';
+      },
+      (e) => {
+        if (e.code === 'unknown_call') error.textContent = 'This call was already answered.';
+        else if (e.code === 'not_attached' || e.code === 'disconnected') {
+          error.textContent = 'Not connected: try again when the connection is back.';
+        } else error.textContent = e.message;
+      },
+    );
   });
   card.append(form);
   return card;
 }
 
+// Messages not acknowledged yet (until their event is in the transcript),
+// and those the server refused.
 function renderOutbox() {
   const box = $('outbox');
   box.replaceChildren();
   const o = state.open;
   if (!o) return;
-  for (const m of o.outbox) {
-    const node = h('div', m.error ? 'msg user failed' : 'msg user pending', m.text);
-    if (m.error) {
-      node.append(h('span', 'why', `${m.error} (click to dismiss)`));
-      node.addEventListener('click', () => {
-        o.outbox = o.outbox.filter((x) => x !== m);
-        renderOutbox();
-      });
-    }
+  const shown = new Set(o.conv.transcript.items.filter((i) => i.kind === 'user' && i.clientMsgId).map((i) => i.clientMsgId));
+  for (const m of o.conv.outbox) {
+    if (!shown.has(m.clientMsgId)) box.append(h('div', 'msg user pending', m.text));
+  }
+  for (const f of o.failed) {
+    const node = h('div', 'msg user failed', f.text);
+    node.append(h('span', 'why', `${f.error} (click to dismiss)`));
+    node.addEventListener('click', () => {
+      o.failed = o.failed.filter((x) => x !== f);
+      renderOutbox();
+    });
     box.append(node);
   }
 }
@@ -532,14 +481,14 @@ function renderOutbox() {
 function bannerText(o) {
   if (o.gone) return ['gone', o.gone];
   if (o.problem) return ['warn', o.problem];
-  const t = o.transcript;
+  const t = o.conv.transcript;
   if (t.status === 'stopped') {
-    const why = t.stopReason ? stopWords(t.stopReason) : detachWords(o.detachReason);
+    const why = t.stopReason ? words(STOP_WORDS, t.stopReason) : words(DETACH_WORDS, o.conv.detachReason);
     if (o.mode === 'observe') return ['warn', `Stopped: ${why}. Only its owner can resume it.`];
     return ['warn', `Stopped: ${why}. Send a message to resume it.`];
   }
-  if (o.mode === 'control' && !o.attached && o.detachReason) {
-    return ['warn', `Detached: ${detachWords(o.detachReason)}. Send a message to resume it.`];
+  if (o.mode === 'control' && !o.conv.attached && o.conv.detachReason) {
+    return ['warn', `Detached: ${words(DETACH_WORDS, o.conv.detachReason)}. Send a message to resume it.`];
   }
   return null;
 }
@@ -547,7 +496,7 @@ function bannerText(o) {
 function renderHead() {
   const o = state.open;
   if (!o) return;
-  const t = o.transcript;
+  const t = o.conv.transcript;
   $('title').textContent = t.title || (o.summary && o.summary.title) || 'Untitled conversation';
   $('conv-id').textContent = o.id;
   const status = t.status || (o.summary && o.summary.status) || '';
@@ -560,8 +509,8 @@ function renderHead() {
   $('stop').hidden = !control;
   $('close').hidden = !control;
   $('delete').hidden = o.mode !== 'control';
-  $('stop').disabled = !(o.attached && (status === 'running' || status === 'waiting'));
-  $('close').disabled = !(o.attached && status !== 'stopped');
+  $('stop').disabled = !(o.conv.attached && (status === 'running' || status === 'waiting'));
+  $('close').disabled = !(o.conv.attached && status !== 'stopped');
   const banner = $('banner');
   const text = bannerText(o);
   // The banner takes room from the transcript: keep its end in view.
@@ -574,25 +523,23 @@ function renderHead() {
   scrollDown(stick);
   // The list shows the open conversation's live status: redraw it when
   // that changes, not on every streamed word.
-  const listKey = `${o.id}:${status}`;
-  if (listKey !== lastListKey) renderList();
+  if (`${o.id}:${status}` !== lastListKey) renderList();
 }
 
-
 function renderList() {
-  const open = state.open;
-  lastListKey = open ? `${open.id}:${open.transcript.status || (open.summary && open.summary.status) || ''}` : '';
+  const o = state.open;
+  const openStatus = o ? o.conv.transcript.status || (o.summary && o.summary.status) || '' : '';
+  lastListKey = o ? `${o.id}:${openStatus}` : '';
   const ul = $('conversations');
   ul.replaceChildren();
   const err = $('list-error');
   err.hidden = !state.listError;
   err.textContent = state.listError || '';
-  const o = state.open;
   for (const s of state.list) {
     const li = h('li');
     li.dataset.id = s.id;
     if (o && o.id === s.id) li.classList.add('open');
-    const status = o && o.id === s.id && o.transcript.status ? o.transcript.status : s.status;
+    const status = o && o.id === s.id && o.conv.transcript.status ? o.conv.transcript.status : s.status;
     li.append(h('span', 'c-title', s.title || 'Untitled'));
     const badge = h('span', 'badge', STATUS_WORDS[status] || status);
     badge.dataset.status = status;
@@ -604,7 +551,7 @@ function renderList() {
     ul.append(li);
   }
   if (state.list.length === 0 && !state.listError) {
-    ul.append(h('li', 'c-meta', api.getToken() ? 'No conversations yet.' : 'Enter your token above.'));
+    ul.append(h('li', 'c-meta', getToken() ? 'No conversations yet.' : 'Enter your token above.'));
   }
 }
 
@@ -618,19 +565,23 @@ function refreshSoon() {
 }
 
 async function refreshList() {
-  if (!api.getToken()) return;
+  const client = state.client;
+  if (!client) return;
   try {
-    state.list = await api.listConversations();
+    const list = await client.list();
+    if (client !== state.client) return;
+    state.list = list;
     state.listError = null;
   } catch (e) {
+    if (client !== state.client) return;
     state.listError = e.status === 401 ? 'The server refused this token.' : `Could not list conversations: ${e.message}`;
   }
   renderList();
   const o = state.open;
-  if (o && o.mode === 'control' && !o.attached && !o.attaching && !o.gone && conn.connected) {
+  if (o && o.mode === 'control' && !o.conv.wanted && !o.gone && client.connected) {
     const s = state.list.find((x) => x.id === o.id);
     // Another tab or client resumed it: follow along.
-    if (s && s.status !== 'stopped' && o.transcript.status === 'stopped') sync();
+    if (s && s.status !== 'stopped' && o.conv.transcript.status === 'stopped') sync(o);
   }
 }
 
@@ -639,37 +590,34 @@ async function refreshList() {
 $('token-form').addEventListener('submit', (ev) => {
   ev.preventDefault();
   const token = $('token').value.trim();
-  if (token !== api.getToken()) {
-    Transcript.forgetAll();
-    closeView();
+  // The open conversation's handle belongs to the client being replaced.
+  closeView();
+  if (token !== getToken()) {
+    store.removeAll();
     history.replaceState(null, '', location.pathname + location.search);
   }
-  api.setToken(token);
+  setToken(token);
   state.list = [];
   state.listError = null;
-  if (token) {
-    conn.restart();
-    refreshList();
-  } else {
-    conn.stop();
-    renderList();
-  }
+  startClient();
+  renderList();
+  refreshList();
+  route();
 });
 
 $('new-form').addEventListener('submit', async (ev) => {
   ev.preventDefault();
   const title = $('new-title').value.trim();
+  if (!state.client) return;
   try {
-    const summary = await api.createConversation(title);
+    const summary = await state.client.rest.create({ title });
     $('new-title').value = '';
     state.list = [summary, ...state.list.filter((s) => s.id !== summary.id)];
     renderList();
     location.hash = `#open=${encodeURIComponent(summary.id)}`;
   } catch (e) {
     state.listError =
-      e.code === 'limit_reached'
-        ? 'Too many conversations are active: close one first.'
-        : `Could not create a conversation: ${e.message}`;
+      e.code === 'limit_reached' ? 'Too many conversations are active: close one first.' : `Could not create a conversation: ${e.message}`;
     renderList();
   }
 });
@@ -695,15 +643,17 @@ $('message').addEventListener('keydown', (ev) => {
   }
 });
 
-$('stop').addEventListener('click', () => {
+function control(action) {
   const o = state.open;
-  if (o && o.attached) conn.send({ type: 'stop', conversation_id: o.id, req: `stop:${o.id}` });
-});
+  if (!o) return;
+  action(o.conv).catch((e) => {
+    o.problem = e.message;
+    renderHead();
+  });
+}
 
-$('close').addEventListener('click', () => {
-  const o = state.open;
-  if (o && o.attached) conn.send({ type: 'close', conversation_id: o.id, req: `close:${o.id}` });
-});
+$('stop').addEventListener('click', () => control((conv) => conv.stop()));
+$('close').addEventListener('click', () => control((conv) => conv.close()));
 
 let deleteArmed = null;
 $('delete').addEventListener('click', async () => {
@@ -725,12 +675,10 @@ $('delete').addEventListener('click', async () => {
   deleteArmed = null;
   button.textContent = 'Delete';
   try {
-    await api.deleteConversation(o.id);
-    Transcript.forget(o.id);
+    await state.client.delete(o.id);
     state.list = state.list.filter((s) => s.id !== o.id);
     if (state.open === o) {
-      o.transcript.view = null;
-      state.open = null;
+      o.gone = 'deleted';
       history.replaceState(null, '', location.pathname + location.search);
       closeView();
     }
@@ -744,13 +692,11 @@ window.addEventListener('hashchange', route);
 
 // ---- start ----
 
-$('token').value = api.getToken();
+$('token').value = getToken();
 showConnection('idle');
 renderList();
-if (api.getToken()) {
-  conn.start();
-  refreshList();
-}
+startClient();
+refreshList();
 route();
 setInterval(() => {
   if (document.visibilityState === 'visible') refreshList();

@@ -14,7 +14,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::Semaphore;
 use tracing::{debug, info};
 
-use super::conversation::ConversationMsg;
+use super::conversation::{Announce, ConversationMsg};
 use super::outbound::Outbound;
 use super::supervisor::{
     create_conversation, ActivateError, Activated, SupervisorMsg, CALL_TIMEOUT,
@@ -388,12 +388,9 @@ impl State {
         )
         .await;
         match result {
+            // The conversation answers `created` once it is committed.
             Ok(activated) => {
-                self.reply(&ServerFrame::Created {
-                    req,
-                    conversation_id: activated.id.to_string(),
-                });
-                self.start_attachment(activated, Mode::Control, 0, None, false);
+                self.start_attachment(activated, Mode::Control, 0, req, Announce::Created)
             }
             Err(e) => self.reply(&ServerFrame::error(req, e.code(), e.to_string(), None)),
         }
@@ -414,7 +411,9 @@ impl State {
             )
             .await;
         match flatten(result) {
-            Ok(activated) => self.start_attachment(activated, mode, last_seq, req, true),
+            Ok(activated) => {
+                self.start_attachment(activated, mode, last_seq, req, Announce::Attached)
+            }
             Err(e) => {
                 debug!(connection = self.handle.id, conversation = %id, error = %e, "attach refused");
                 let message = match &e {
@@ -432,7 +431,7 @@ impl State {
         mode: Mode,
         last_seq: u64,
         req: Option<ReqId>,
-        announce: bool,
+        announce: Announce,
     ) {
         let message = ConversationMsg::Attach {
             conn: self.handle.clone(),

@@ -8,3 +8,6 @@ pub mod gauge;
 pub mod outbound;
 pub mod replay;
 pub mod supervisor;
+
+#[cfg(test)]
+mod rule_tests;

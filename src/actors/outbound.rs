@@ -22,10 +22,6 @@ pub mod close_code {
     pub const SLOW_CONSUMER: u16 = 4008;
 }
 
-/// How long a connection may read nothing while frames wait for it before it
-/// is closed as a slow consumer (close code 4008).
-pub const SLOW_CONSUMER_PATIENCE: Duration = Duration::from_secs(30);
-
 /// Most replies that may wait for room in one connection's full queue; the
 /// queue itself is that much smaller, so the two together stay within
 /// `limits.max_outbound_frames`.
@@ -57,6 +53,9 @@ pub struct Outbound {
     /// Replies waiting for room in a full queue.
     waiting_replies: Arc<AtomicUsize>,
     max_waiting: usize,
+    /// How long the client may read nothing while frames wait for it
+    /// before it is closed as a slow consumer (`limits.slow_consumer_patience`).
+    patience: Duration,
     close: CancellationToken,
     close_request: Arc<Mutex<Option<CloseRequest>>>,
 }
@@ -78,8 +77,9 @@ impl OutboundReceiver {
 }
 
 /// A connection's queue holding at most `limit` unsent frames in all: the
-/// bounded channel, plus the replies that may wait for room in it.
-pub fn channel(limit: usize) -> (Outbound, OutboundReceiver) {
+/// bounded channel, plus the replies that may wait for room in it; a client
+/// that reads nothing for `patience` while frames wait is closed with 4008.
+pub fn channel(limit: usize, patience: Duration) -> (Outbound, OutboundReceiver) {
     let max_waiting = (limit / 4).clamp(1, MAX_WAITING_REPLIES);
     let (tx, rx) = mpsc::channel(limit.saturating_sub(max_waiting).max(1));
     let close = CancellationToken::new();
@@ -89,6 +89,7 @@ pub fn channel(limit: usize) -> (Outbound, OutboundReceiver) {
             tx,
             waiting_replies: Arc::new(AtomicUsize::new(0)),
             max_waiting,
+            patience,
             close: close.clone(),
             close_request: close_request.clone(),
         },
@@ -127,14 +128,15 @@ impl Outbound {
         }
         let outbound = self.clone();
         tokio::spawn(async move {
-            let _ = outbound.send(text, SLOW_CONSUMER_PATIENCE).await;
+            let _ = outbound.send(text).await;
             outbound.waiting_replies.fetch_sub(1, Ordering::AcqRel);
         });
     }
 
     /// Queues a frame, waiting for room; gives up (and closes the connection
-    /// as a slow consumer) when the client reads nothing for `patience`.
-    pub async fn send(&self, frame: Utf8Bytes, patience: Duration) -> Result<(), QueueError> {
+    /// as a slow consumer) when the client reads nothing for the patience.
+    pub async fn send(&self, frame: Utf8Bytes) -> Result<(), QueueError> {
+        let patience = self.patience;
         tokio::select! {
             _ = self.close.cancelled() => Err(QueueError::Closed),
             sent = tokio::time::timeout(patience, self.tx.send(frame)) => match sent {
@@ -185,7 +187,7 @@ mod tests {
     #[tokio::test]
     async fn the_limit_covers_queued_frames_and_waiting_replies() {
         let limit = 40;
-        let (out, mut receiver) = channel(limit);
+        let (out, mut receiver) = channel(limit, Duration::from_secs(30));
         let mut queued = 0;
         while out.try_send(Utf8Bytes::from_static("{}")).is_ok() {
             queued += 1;

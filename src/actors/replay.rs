@@ -14,7 +14,7 @@ use tracing::warn;
 
 use super::connection::ConnectionHandle;
 use super::conversation::ConversationMsg;
-use super::outbound::{close_code, SLOW_CONSUMER_PATIENCE};
+use super::outbound::close_code;
 use crate::event::EventRecord;
 use crate::protocol::{ErrorCode, ServerFrame};
 use crate::store::Store;
@@ -72,7 +72,7 @@ impl Replay {
     async fn send(&self, frame: Utf8Bytes) -> Result<(), ReplayError> {
         self.conn
             .outbound
-            .send(frame, SLOW_CONSUMER_PATIENCE)
+            .send(frame)
             .await
             .map_err(|_| ReplayError::Closed)
     }

@@ -47,6 +47,7 @@ impl ActivateError {
             ActivateError::NotFound => ErrorCode::NotFound,
             ActivateError::ObserveOnly => ErrorCode::ReadOnly,
             ActivateError::LimitReached { .. } => ErrorCode::LimitReached,
+            ActivateError::Store(e) if e.is_unavailable() => ErrorCode::StoreUnavailable,
             ActivateError::ShuttingDown | ActivateError::Store(_) | ActivateError::Internal(_) => {
                 ErrorCode::Internal
             }
@@ -141,6 +142,18 @@ pub enum SupervisorMsg {
         id: String,
         user: String,
     },
+    /// Deletes a conversation as one operation: activations are refused
+    /// from now on, the actor (if any) stops with `deleted`, then its
+    /// history and workspace go; replies whether it existed.
+    Delete {
+        id: String,
+        reply: RpcReplyPort<Result<bool, StoreError>>,
+    },
+    /// The delete task's outcome.
+    Deleted {
+        id: Arc<str>,
+        result: Result<bool, StoreError>,
+    },
     /// Stops every conversation with `shutdown`; replies when all are gone.
     Shutdown {
         reply: RpcReplyPort<()>,
@@ -190,6 +203,9 @@ pub struct State {
     /// Activations waiting for a stopping conversation to be gone.
     after_stop: HashMap<Arc<str>, Vec<Waiter>>,
     stop_waiters: HashMap<Arc<str>, Vec<RpcReplyPort<()>>>,
+    /// Conversations being deleted, with whoever waits for the outcome:
+    /// no activation is let through while an id is here.
+    deleting: HashMap<Arc<str>, Vec<RpcReplyPort<Result<bool, StoreError>>>>,
     shutdown: Option<Vec<RpcReplyPort<()>>>,
     /// When the gauges were last published.
     metrics_published: Option<Instant>,
@@ -216,6 +232,7 @@ impl Actor for Supervisor {
             loading: HashMap::new(),
             after_stop: HashMap::new(),
             stop_waiters: HashMap::new(),
+            deleting: HashMap::new(),
             shutdown: None,
             metrics_published: None,
         })
@@ -287,6 +304,12 @@ impl Actor for Supervisor {
                     if !entry.observers.contains(&user) {
                         entry.observers.push(user);
                     }
+                }
+            }
+            SupervisorMsg::Delete { id, reply } => state.delete(&myself, Arc::from(id), reply),
+            SupervisorMsg::Deleted { id, result } => {
+                for reply in state.deleting.remove(&id).unwrap_or_default() {
+                    let _ = reply.send(result.clone());
                 }
             }
             SupervisorMsg::Shutdown { reply } => {
@@ -426,6 +449,10 @@ impl State {
             return;
         }
         let id: Arc<str> = Arc::from(id);
+        if self.deleting.contains_key(&id) {
+            let _ = waiter.reply.send(Err(ActivateError::NotFound));
+            return;
+        }
         if let Some(entry) = self.active.get(&id) {
             if entry.stopping.is_some() {
                 self.after_stop.entry(id).or_default().push(waiter);
@@ -465,6 +492,13 @@ impl State {
         let Some(waiters) = self.loading.remove(&id) else {
             return;
         };
+        if self.deleting.contains_key(&id) {
+            for w in waiters {
+                let _ = w.reply.send(Err(ActivateError::NotFound));
+            }
+            self.start_deleting(myself, id);
+            return;
+        }
         let snapshot = match result {
             Ok(Some(snapshot)) => snapshot,
             Ok(None) => {
@@ -603,6 +637,14 @@ impl State {
             .as_ref()
             .map(|e| e.user.to_string())
             .unwrap_or_default();
+        // A conversation drains its mailbox before it stops, which carries
+        // no reason: the one it was stopped for is here.
+        let reason = reason.or_else(|| {
+            entry
+                .as_ref()
+                .and_then(|e| e.stopping)
+                .map(|r| r.as_str().to_owned())
+        });
         let lived = entry.as_ref().map(|e| round_ms(e.started.elapsed()));
         let lived = lived
             .map(|d| humantime::format_duration(d).to_string())
@@ -617,12 +659,61 @@ impl State {
         for reply in self.stop_waiters.remove(&id).unwrap_or_default() {
             let _ = reply.send(());
         }
-        if let Some(waiters) = self.after_stop.remove(&id) {
+        if self.deleting.contains_key(&id) {
+            for waiter in self.after_stop.remove(&id).unwrap_or_default() {
+                let _ = waiter.reply.send(Err(ActivateError::NotFound));
+            }
+            self.start_deleting(myself, id.clone());
+        } else if let Some(waiters) = self.after_stop.remove(&id) {
             for waiter in waiters {
                 self.load(myself, id.clone(), waiter);
             }
         }
         self.maybe_finish_shutdown();
+    }
+
+    fn delete(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        id: Arc<str>,
+        reply: RpcReplyPort<Result<bool, StoreError>>,
+    ) {
+        let waiters = self.deleting.entry(id.clone()).or_default();
+        waiters.push(reply);
+        if waiters.len() > 1 {
+            return;
+        }
+        if self.active.contains_key(&id) {
+            // Deleted once the actor is gone (`child_gone`).
+            self.stop(&id, StopReason::Deleted, "request");
+        } else if !self.loading.contains_key(&id) {
+            // Otherwise deleted once the snapshot read is back (`loaded`).
+            self.start_deleting(myself, id);
+        }
+    }
+
+    /// Deletes the history, then the workspace, in a task (never in the
+    /// handler: both are I/O); `Deleted` reports back.
+    fn start_deleting(&mut self, myself: &ActorRef<SupervisorMsg>, id: Arc<str>) {
+        let store = self.store.clone();
+        let workspace = self.workspace(&id);
+        let me = myself.clone();
+        tokio::spawn(async move {
+            let mut result = store.delete(&id).await;
+            if result.is_ok() {
+                match tokio::fs::remove_dir_all(&workspace).await {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        result = Err(StoreError::Backend(format!(
+                            "removing the workspace {}: {e}",
+                            workspace.display()
+                        )))
+                    }
+                }
+            }
+            let _ = me.cast(SupervisorMsg::Deleted { id, result });
+        });
     }
 
     fn maybe_finish_shutdown(&mut self) {

@@ -17,6 +17,7 @@ use axum::routing::get;
 use axum::Router;
 use ractor::ActorRef;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::actors::supervisor::SupervisorMsg;
 use crate::config::Config;
@@ -29,6 +30,10 @@ pub struct AppState {
     pub supervisor: ActorRef<SupervisorMsg>,
     /// Cancelled when the server shuts down: closes every socket with 1001.
     pub shutdown: CancellationToken,
+    /// Every upgraded socket's task: axum's graceful shutdown does not wait
+    /// for them, so the server does, or the process would exit before the
+    /// 1001 close frames are written.
+    pub sockets: TaskTracker,
     pub next_connection: Arc<AtomicU64>,
     pub connections: connections::ConnectionCounter,
     pub auth: Arc<auth::Authenticator>,
@@ -38,7 +43,7 @@ pub fn router(state: AppState) -> Router {
     let (api, _) = openapi::api_routes().split_for_parts();
     Router::new()
         .route("/", get(web::index))
-        .route("/web/{file}", get(web::asset))
+        .route("/web/{*file}", get(web::asset))
         .merge(api)
         .with_state(state)
 }

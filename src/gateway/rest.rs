@@ -18,8 +18,8 @@ use super::openapi::{status_schema, ErrorBody, EventsPage};
 use super::AppState;
 use crate::actors::supervisor::{create_conversation, ActivateError, SupervisorMsg, CALL_TIMEOUT};
 use crate::event::StartReason;
-use crate::protocol::{StopReason, MAX_TITLE_CHARS};
-use crate::store::{workspace_dir, ConversationMeta, StoreError};
+use crate::protocol::MAX_TITLE_CHARS;
+use crate::store::{ConversationMeta, StoreError};
 
 /// Most events one `/events` call returns.
 const MAX_EVENTS_PAGE: usize = 10_000;
@@ -42,6 +42,8 @@ pub enum ApiError {
     #[error("{0}")]
     LimitReached(String),
     #[error("{0}")]
+    StoreUnavailable(String),
+    #[error("{0}")]
     Internal(String),
 }
 
@@ -49,6 +51,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::NotFound(_) => ApiError::NotFound,
+            e if e.is_unavailable() => ApiError::StoreUnavailable(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -59,6 +62,7 @@ impl From<ActivateError> for ApiError {
         match e {
             ActivateError::NotFound | ActivateError::ObserveOnly => ApiError::NotFound,
             e @ ActivateError::LimitReached { .. } => ApiError::LimitReached(e.to_string()),
+            ActivateError::Store(e) => e.into(),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -78,6 +82,9 @@ impl IntoResponse for ApiError {
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
+            ApiError::StoreUnavailable(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+            }
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         error_response(status, code, &self.to_string())
@@ -320,11 +327,18 @@ pub async fn create(
     )
     .await?;
     app.store.flush().await?;
-    let meta = app
-        .store
-        .get(&activated.id)
-        .await?
-        .ok_or(ApiError::NotFound)?;
+    let meta = match app.store.get(&activated.id).await? {
+        Some(meta) => meta,
+        // Its first append failed: the store says why.
+        None => {
+            return Err(match app.store.health() {
+                Err(reason) => ApiError::StoreUnavailable(format!(
+                    "the conversation could not be created: store unavailable: {reason}"
+                )),
+                Ok(()) => ApiError::Internal("the conversation was not recorded".into()),
+            })
+        }
+    };
     Ok((StatusCode::CREATED, Json(Summary::from(&meta))).into_response())
 }
 
@@ -346,28 +360,25 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     owned(&app, &caller, &id).await?;
-    let stopped = app
+    let deleted = app
         .supervisor
         .call(
-            |reply| SupervisorMsg::Stop {
+            |reply| SupervisorMsg::Delete {
                 id: id.clone(),
-                reason: StopReason::Deleted,
-                reply: Some(reply),
+                reply,
             },
             Some(CALL_TIMEOUT),
         )
         .await;
-    if !matches!(stopped, Ok(CallResult::Success(()))) {
-        return Err(ApiError::Internal(
-            "the conversation did not stop in time".into(),
-        ));
-    }
-    app.store.delete(&id).await?;
-    let workspace = workspace_dir(&app.config.store.path, &id);
-    match tokio::fs::remove_dir_all(&workspace).await {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(ApiError::Internal(format!("removing the workspace: {e}"))),
+    match deleted {
+        Ok(CallResult::Success(Ok(true))) => {}
+        Ok(CallResult::Success(Ok(false))) => return Err(ApiError::NotFound),
+        Ok(CallResult::Success(Err(e))) => return Err(e.into()),
+        _ => {
+            return Err(ApiError::Internal(
+                "the conversation was not deleted in time".into(),
+            ))
+        }
     }
     Ok(StatusCode::NO_CONTENT)
 }
@@ -410,12 +421,24 @@ pub async fn add_observer(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Liveness: 200 while the server serves. No token needed.
+/// 200 while serving; 503 with the reason while the store cannot write
+/// (reads still work, but nothing new can be recorded). No token needed.
 #[utoipa::path(get, path = "/healthz", tag = "service",
-    responses((status = 200, description = "Serving", body = String, content_type = "text/plain",
-        example = "ok\n")))]
-pub async fn healthz() -> &'static str {
-    "ok\n"
+    responses(
+        (status = 200, description = "Serving", body = String, content_type = "text/plain",
+            example = "ok\n"),
+        (status = 503, description = "The store cannot write now; says why", body = String,
+            content_type = "text/plain"),
+    ))]
+pub async fn healthz(State(app): State<AppState>) -> Response {
+    match app.store.health() {
+        Ok(()) => "ok\n".into_response(),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("store unavailable: {reason}\n"),
+        )
+            .into_response(),
+    }
 }
 
 /// Prometheus metrics (aggregate counters, no ids or user names). No token

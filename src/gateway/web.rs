@@ -1,7 +1,9 @@
-//! The web client: static files under `web/`, compiled into the binary and
-//! served at `/` and `/web/{file}`. No build step: plain HTML, CSS and
-//! JavaScript modules. The page itself needs no token; it asks for one and
-//! sends it on every REST call and websocket it makes.
+//! The web client: static files under `web/` and the JavaScript client
+//! module (`clients/js/src`, as `/web/linger/...`), compiled into the
+//! binary and served at `/` and `/web/{*file}`. No build step: plain HTML,
+//! CSS and JavaScript modules, imported as they are. The page itself needs
+//! no token; it asks for one and sends it on every REST call and websocket
+//! it makes.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -24,6 +26,11 @@ const INDEX: Asset = Asset {
     body: include_str!("../../web/index.html"),
 };
 
+const JS: &str = "text/javascript; charset=utf-8";
+
+/// The page's files, and under `linger/` the JavaScript client module
+/// (`clients/js/src`, the same files that are published), which the page
+/// imports as it is.
 const ASSETS: &[Asset] = &[
     Asset {
         name: "app.css",
@@ -32,23 +39,63 @@ const ASSETS: &[Asset] = &[
     },
     Asset {
         name: "app.js",
-        content_type: "text/javascript; charset=utf-8",
+        content_type: JS,
         body: include_str!("../../web/app.js"),
     },
     Asset {
-        name: "api.js",
-        content_type: "text/javascript; charset=utf-8",
-        body: include_str!("../../web/api.js"),
+        name: "markdown.js",
+        content_type: JS,
+        body: include_str!("../../web/markdown.js"),
     },
     Asset {
-        name: "connection.js",
-        content_type: "text/javascript; charset=utf-8",
-        body: include_str!("../../web/connection.js"),
+        name: "vendor/markdown-it.esm.min.mjs",
+        content_type: JS,
+        body: include_str!("../../web/vendor/markdown-it.esm.min.mjs"),
     },
     Asset {
-        name: "transcript.js",
-        content_type: "text/javascript; charset=utf-8",
-        body: include_str!("../../web/transcript.js"),
+        name: "linger/index.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/index.js"),
+    },
+    Asset {
+        name: "linger/client.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/client.js"),
+    },
+    Asset {
+        name: "linger/conversation.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/conversation.js"),
+    },
+    Asset {
+        name: "linger/emitter.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/emitter.js"),
+    },
+    Asset {
+        name: "linger/errors.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/errors.js"),
+    },
+    Asset {
+        name: "linger/rest.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/rest.js"),
+    },
+    Asset {
+        name: "linger/socket.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/socket.js"),
+    },
+    Asset {
+        name: "linger/store.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/store.js"),
+    },
+    Asset {
+        name: "linger/transcript.js",
+        content_type: JS,
+        body: include_str!("../../clients/js/src/transcript.js"),
     },
 ];
 
@@ -114,7 +161,7 @@ pub async fn index(request: HeaderMap) -> Response {
     serve(&INDEX, &request)
 }
 
-/// `GET /web/{file}`: its scripts and styles.
+/// `GET /web/{*file}`: its scripts and styles (`file` may hold a `/`).
 pub async fn asset(Path(name): Path<String>, request: HeaderMap) -> Response {
     match ASSETS.iter().find(|a| a.name == name) {
         Some(asset) => serve(asset, &request),
@@ -126,19 +173,41 @@ pub async fn asset(Path(name): Path<String>, request: HeaderMap) -> Response {
 mod tests {
     use super::*;
 
-    /// Every module the page imports is one the server serves.
+    /// Every module the page imports (relative to the importing file) is
+    /// one the server serves.
     #[test]
     fn every_import_is_served() {
         for asset in ASSETS.iter().chain(std::iter::once(&INDEX)) {
-            for (i, _) in asset.body.match_indices("from './") {
-                let rest = &asset.body[i + "from './".len()..];
-                let name = rest.split('\'').next().unwrap_or("");
-                assert!(
-                    ASSETS.iter().any(|a| a.name == name),
-                    "{} imports {name}, which is not in ASSETS",
-                    asset.name
-                );
+            let dir = asset.name.rsplit_once('/').map(|(d, _)| d).unwrap_or("");
+            for quote in ['\'', '"'] {
+                for pattern in [format!("from {quote}./"), format!("import {quote}./")] {
+                    for (i, _) in asset.body.match_indices(pattern.as_str()) {
+                        let rest = &asset.body[i + pattern.len()..];
+                        let file = rest.split(quote).next().unwrap_or("");
+                        let name = if dir.is_empty() {
+                            file.to_owned()
+                        } else {
+                            format!("{dir}/{file}")
+                        };
+                        assert!(
+                            ASSETS.iter().any(|a| a.name == name),
+                            "{} imports {name}, which is not in ASSETS",
+                            asset.name
+                        );
+                    }
+                }
             }
+        }
+        // Every module of the client is served, so the page can import it.
+        let client = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/js/src");
+        for entry in std::fs::read_dir(&client).expect("read clients/js/src") {
+            let file = entry.expect("a directory entry").file_name();
+            let name = format!("linger/{}", file.to_string_lossy());
+            assert!(
+                ASSETS.iter().any(|a| a.name == name),
+                "clients/js/src/{} is not served as /web/{name}",
+                file.to_string_lossy()
+            );
         }
         for reference in ["web/app.css", "web/app.js"] {
             assert!(

@@ -79,14 +79,17 @@ pub async fn upgrade(
     // is read whole and answered with a clean 1009 close; only a far larger
     // one is cut off mid-read.
     let hard_max = max.saturating_mul(2);
+    let sockets = app.sockets.clone();
     ws.max_message_size(hard_max)
         .max_frame_size(hard_max)
         .read_buffer_size(READ_BUFFER_BYTES)
-        .on_upgrade(move |socket| async move {
-            match slot {
-                Some(slot) => serve(socket, app, caller, slot).await,
-                None => refuse_too_many(socket, &app).await,
-            }
+        .on_upgrade(move |socket| {
+            sockets.track_future(async move {
+                match slot {
+                    Some(slot) => serve(socket, app, caller, slot).await,
+                    None => refuse_too_many(socket, &app).await,
+                }
+            })
         })
 }
 
@@ -114,7 +117,10 @@ async fn refuse_too_many(mut socket: WebSocket, app: &AppState) {
 async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let id = app.next_connection.fetch_add(1, Ordering::Relaxed);
     let (sink, mut stream) = socket.split();
-    let (outbound, receiver) = outbound::channel(app.config.limits.max_outbound_frames);
+    let (outbound, receiver) = outbound::channel(
+        app.config.limits.max_outbound_frames,
+        app.config.limits.slow_consumer_patience,
+    );
     let inflight = Arc::new(Semaphore::new(INFLIGHT_FRAMES));
     let args = ConnectionArgs {
         id,
@@ -137,6 +143,8 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
         let next = tokio::select! {
             next = stream.next() => next,
             _ = outbound.closed() => break,
+            // The writer sends what is queued, then the 1001 close.
+            _ = app.shutdown.cancelled() => break,
         };
         let message = match next {
             Some(Ok(message)) => message,
@@ -174,8 +182,12 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     }
     let _ = actor.cast(ConnectionMsg::SocketClosed);
     let _ = actor_done.await;
-    // The socket is gone or closing: nothing queued can be delivered now.
-    outbound.close(close_code::GOING_AWAY, "connection closed", false);
+    // The socket is gone or closing: nothing queued can be delivered now,
+    // unless the server is shutting down, when the writer sends what is
+    // queued (`detached shutdown`) before its 1001 close.
+    if !app.shutdown.is_cancelled() {
+        outbound.close(close_code::GOING_AWAY, "connection closed", false);
+    }
     drop(slot);
     // Keep reading (and discarding) until the client answers our close or
     // goes: closing a socket with unread input resets it, and the client

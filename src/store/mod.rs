@@ -3,6 +3,8 @@
 //! through one writer that commits in groups and calls back once an append is
 //! durable, so that conversation actors never wait on disk (write before send).
 
+pub mod lock;
+pub mod memory;
 pub mod sqlite;
 
 use std::path::{Path, PathBuf};
@@ -97,17 +99,100 @@ pub type CommitCallback = Box<dyn FnOnce(Result<(), StoreError>) + Send + 'stati
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
+    /// The store cannot write now (disk full, I/O error, locked, corrupt,
+    /// read-only; in cluster mode NATS unreachable or without quorum):
+    /// nothing was recorded; retrying later may work. Protocol error
+    /// `store_unavailable`.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// A request the store refuses whatever its health (an append that does
+    /// not follow the stored head, say): a bug, not an outage.
     #[error("store: {0}")]
     Backend(String),
     #[error("store: the writer has stopped")]
     Closed,
     #[error("store: conversation {0} not found")]
     NotFound(String),
+    /// Cluster mode: another node owns the conversation now; this node's
+    /// append was refused and it must stop the conversation.
+    #[error("store: conversation {conversation} is owned by another node (term {term} is stale)")]
+    Fenced { conversation: String, term: u64 },
+}
+
+impl StoreError {
+    /// Whether this is the store being unable to write, rather than a
+    /// request it refused.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Closed)
+    }
 }
 
 impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
-        StoreError::Backend(e.to_string())
+        use rusqlite::ErrorCode as C;
+        match e.sqlite_error_code() {
+            Some(
+                C::DiskFull
+                | C::SystemIoFailure
+                | C::DatabaseBusy
+                | C::DatabaseLocked
+                | C::DatabaseCorrupt
+                | C::NotADatabase
+                | C::ReadOnly
+                | C::CannotOpen
+                | C::OutOfMemory
+                | C::FileLockingProtocolFailed,
+            ) => StoreError::Unavailable(e.to_string()),
+            _ => StoreError::Backend(e.to_string()),
+        }
+    }
+}
+
+/// Whether the store can write, as its last writes found: `/healthz`
+/// answers 503 with the reason while it cannot. The writer records every
+/// commit's outcome; a failing store is probed until a write works again.
+#[derive(Debug, Default)]
+pub struct StoreHealth {
+    failing: std::sync::Mutex<Option<String>>,
+    is_failing: std::sync::atomic::AtomicBool,
+}
+
+impl StoreHealth {
+    /// Records the outcome of a write.
+    pub fn record(&self, result: Result<(), &StoreError>) {
+        use std::sync::atomic::Ordering;
+        match result {
+            Ok(()) => {
+                if self.is_failing.swap(false, Ordering::Relaxed) {
+                    if let Ok(mut failing) = self.failing.lock() {
+                        *failing = None;
+                    }
+                    tracing::info!("store: writes work again");
+                    crate::metrics::store_available(true);
+                }
+            }
+            Err(e) if e.is_unavailable() => {
+                if let Ok(mut failing) = self.failing.lock() {
+                    *failing = Some(e.to_string());
+                }
+                if !self.is_failing.swap(true, Ordering::Relaxed) {
+                    tracing::error!(error = %e, "store: writes fail; requests that need one get store_unavailable");
+                    crate::metrics::store_available(false);
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// `Err(reason)` while writes fail.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.is_failing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        match self.failing.lock() {
+            Ok(failing) => failing.clone().map_or(Ok(()), Err),
+            Err(_) => Err("store health unknown".into()),
+        }
     }
 }
 
@@ -152,4 +237,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes events older than `before`; returns how many.
     async fn prune(&self, before: SystemTime) -> Result<u64, StoreError>;
+
+    /// `Err(reason)` while the store cannot write (see [`StoreHealth`]).
+    fn health(&self) -> Result<(), String>;
+
+    /// Makes one small write, in queue order with the appends, to learn
+    /// whether writes work again; the outcome updates [`Store::health`].
+    async fn probe(&self) -> Result<(), StoreError>;
 }

@@ -9,6 +9,8 @@
 
 #![allow(dead_code)]
 
+pub mod faulty_store;
+pub mod nats;
 pub mod process;
 pub mod proxy;
 
@@ -57,13 +59,23 @@ impl TestServer {
     /// Starts a server with the defaults, a free loopback port, a fresh
     /// store, and whatever `tweak` changes.
     pub async fn start_with(tweak: impl FnOnce(&mut Config)) -> TestServer {
+        TestServer::start_wrapping(tweak, |store| store).await
+    }
+
+    /// [`TestServer::start_with`], with the server's store wrapped.
+    pub async fn start_wrapping(
+        tweak: impl FnOnce(&mut Config),
+        wrap: impl FnOnce(
+            std::sync::Arc<dyn linger::store::Store>,
+        ) -> std::sync::Arc<dyn linger::store::Store>,
+    ) -> TestServer {
         init_tracing();
         let dir = tempfile::tempdir().expect("temporary store directory");
         let mut config = Config::default();
         config.server.listen = "127.0.0.1:0".parse().unwrap();
         config.store.path = dir.path().to_path_buf();
         tweak(&mut config);
-        let server = Server::start(config)
+        let server = Server::start_with_store(config, wrap)
             .await
             .unwrap_or_else(|e| panic!("the server did not start: {e}"));
         TestServer {

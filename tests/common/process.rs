@@ -25,20 +25,13 @@ impl ServerProcess {
     /// given extra TOML appended to the config, and waits for
     /// `listening on ADDR`.
     pub fn spawn(store: &Path, extra_toml: &str) -> ServerProcess {
-        let config = store.join("linger-test.toml");
-        std::fs::create_dir_all(store).unwrap();
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\n[store]\npath = {:?}\n{extra_toml}\n",
-            store.display().to_string()
-        );
-        std::fs::write(&config, text).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_linger"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("LINGER_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
+        ServerProcess::start(serve_command(store, "127.0.0.1:0", extra_toml))
+    }
+
+    /// Starts a server from a command of one's own (which must listen on a
+    /// free port) and waits for `listening on ADDR`.
+    pub fn start(mut command: Command) -> ServerProcess {
+        let mut child = command
             .stderr(Stdio::piped())
             .spawn()
             .expect("start the linger binary");
@@ -147,6 +140,39 @@ impl ServerProcess {
         self.signal("KILL");
         self.wait_exit(RECV_TIMEOUT);
     }
+}
+
+/// `linger serve` on `listen` with its store (and config file) in `store`.
+fn serve_command(store: &Path, listen: &str, extra_toml: &str) -> Command {
+    let config = store.join("linger-test.toml");
+    std::fs::create_dir_all(store).unwrap();
+    let text = format!(
+        "[server]\nlisten = {listen:?}\n[store]\npath = {:?}\n{extra_toml}\n",
+        store.display().to_string()
+    );
+    std::fs::write(&config, text).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_linger"));
+    command
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("LINGER_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    command
+}
+
+/// Starts `linger serve` on `listen` with its store in `store`, expecting
+/// it to refuse: returns its exit status and stderr.
+pub fn serve_refused(store: &Path, listen: &str) -> (ExitStatus, String) {
+    let out = serve_command(store, listen, "")
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run the linger binary");
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 impl Drop for ServerProcess {

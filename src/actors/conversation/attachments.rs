@@ -11,7 +11,7 @@ impl State {
         mode: Mode,
         last_seq: u64,
         req: Option<ReqId>,
-        announce: bool,
+        announce: Announce,
     ) {
         if self.stopping.is_some() {
             conn.outbound.reply(&ServerFrame::error(
@@ -26,26 +26,36 @@ impl State {
             });
             return;
         }
+        if announce == Announce::Created && self.committed == 0 {
+            self.pending_creator = Some(PendingCreator { conn, mode, req });
+            return;
+        }
         let conn_id = conn.id;
         if let Some(old) = self.attachments.remove(&conn_id) {
             old.cancel.cancel();
         }
         let from = last_seq.min(self.committed) + 1;
-        let attached = announce.then(|| ServerFrame::Attached {
-            req,
-            conversation_id: self.id.to_string(),
-            status: self.status(),
-            mode,
-            head_seq: self.committed,
-            replay_from: from,
-            replay_incomplete: false,
-            pending_calls: self
-                .turn
-                .as_ref()
-                .map(|t| t.pending_calls.clone())
-                .unwrap_or_default(),
-            queued_messages: self.queue.len(),
-        });
+        let attached = match announce {
+            Announce::Created => ServerFrame::Created {
+                req,
+                conversation_id: self.id.to_string(),
+            },
+            Announce::Attached => ServerFrame::Attached {
+                req,
+                conversation_id: self.id.to_string(),
+                status: self.status(),
+                mode,
+                head_seq: self.committed,
+                replay_from: from,
+                replay_incomplete: false,
+                pending_calls: self
+                    .turn
+                    .as_ref()
+                    .map(|t| t.pending_calls.clone())
+                    .unwrap_or_default(),
+                queued_messages: self.queue.len(),
+            },
+        };
         info!(conversation = %self.id, user = %self.user, connection = conn_id,
             attach_user = %conn.user, mode = mode.as_str(), last_seq, head_seq = self.committed, "attached");
         self.attachments.insert(
@@ -62,7 +72,7 @@ impl State {
         // Published before the replay starts, so that anyone who has seen
         // this attachment's frames also sees it counted.
         self.publish_gauge();
-        self.spawn_catch_up(myself, conn_id, from, attached);
+        self.spawn_catch_up(myself, conn_id, from, Some(attached));
     }
 
     /// Starts (or restarts) a replay task for one attachment from `from` up

@@ -44,12 +44,14 @@ impl State {
             client_msg_ids: std::mem::take(&mut self.batch_client_ids),
         };
         let me = myself.clone();
+        let epoch = self.epoch;
         self.store.append(
             batch,
             Box::new(move |result| {
                 let _ = me.cast(ConversationMsg::Committed {
                     upto,
                     credits,
+                    epoch,
                     result,
                 });
             }),
@@ -77,6 +79,19 @@ impl State {
         }
         m::events_appended(new_events.iter().map(|r| &*r.kind));
         self.committed = self.committed.max(upto);
+        // The creator hears `created` only now that the conversation exists,
+        // and is then attached like anyone else (its replay sends `created`
+        // first, then the events from seq 1).
+        if let Some(creator) = self.pending_creator.take() {
+            self.attach(
+                myself,
+                creator.conn,
+                creator.mode,
+                0,
+                creator.req,
+                Announce::Created,
+            );
+        }
         let mut fallen_behind = Vec::new();
         let mut gone = Vec::new();
         for (conn_id, attachment) in &self.attachments {

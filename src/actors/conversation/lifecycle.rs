@@ -33,8 +33,9 @@ impl State {
             return;
         };
         let detach_reason = reason.detach_reason();
-        for (_, attachment) in self.attachments.drain() {
+        for (conn_id, attachment) in self.attachments.drain() {
             attachment.cancel.cancel();
+            self.departed.insert(conn_id, attachment.conn.clone());
             attachment.conn.outbound.reply(&ServerFrame::Detached {
                 req: None,
                 conversation_id: self.id.to_string(),
@@ -46,7 +47,12 @@ impl State {
             });
         }
         self.gauge.set_stopped();
-        myself.stop(Some(reason.as_str().to_owned()));
+        // Drain, not stop: requests already in the mailbox are answered
+        // (refused: the conversation is stopping) rather than dropped, and
+        // the supervisor logs the reason it stopped us for.
+        if myself.drain().is_err() {
+            myself.stop(Some(reason.as_str().to_owned()));
+        }
     }
 
     pub(super) fn cancel_timers(&mut self) {

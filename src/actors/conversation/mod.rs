@@ -14,6 +14,7 @@
 mod attachments;
 mod history;
 mod lifecycle;
+mod store_failure;
 mod turns;
 
 use std::collections::{HashMap, VecDeque};
@@ -25,7 +26,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info};
+use tracing::{debug, info, warn};
 
 use super::connection::{ConnId, ConnectionHandle, ConnectionMsg};
 use super::gauge::ConversationGauge;
@@ -48,8 +49,7 @@ pub enum ConversationMsg {
         mode: Mode,
         last_seq: u64,
         req: Option<ReqId>,
-        /// Send `attached` (false for the creator, who gets `created`).
-        announce: bool,
+        announce: Announce,
     },
     Detach {
         conn: ConnId,
@@ -77,8 +77,15 @@ pub enum ConversationMsg {
     Committed {
         upto: u64,
         credits: usize,
+        /// The [`State::epoch`] the append was made in: the outcome of an
+        /// append discarded by a store failure changes nothing.
+        epoch: u64,
         result: Result<(), crate::store::StoreError>,
     },
+    /// After a store failure: time to see whether writes work again.
+    RetryStore,
+    /// After a store failure: the committed state, read back to go on from.
+    Reloaded(Result<Option<Box<Snapshot>>, crate::store::StoreError>),
     CaughtUp {
         conn: ConnId,
         generation: u64,
@@ -101,6 +108,16 @@ pub enum ConversationMsg {
     Shutdown {
         reason: StopReason,
     },
+}
+
+/// The first reply an attaching connection gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Announce {
+    /// `attached`, for an `attach`.
+    Attached,
+    /// `created`, for the connection that created the conversation: sent
+    /// once the conversation is committed, before its first events.
+    Created,
 }
 
 /// How a conversation comes to be active.
@@ -167,7 +184,16 @@ struct Turn {
 struct DeferredReply {
     seq: u64,
     conn: ConnId,
+    req: Option<ReqId>,
     frame: ServerFrame,
+}
+
+/// The connection that created the conversation, waiting for its first
+/// commit before it is told `created` and attached.
+struct PendingCreator {
+    conn: ConnectionHandle,
+    mode: Mode,
+    req: Option<ReqId>,
 }
 
 pub struct State {
@@ -214,6 +240,18 @@ pub struct State {
     idle_timer: Option<(u64, Timer)>,
     grace_timer: Option<(u64, Timer)>,
     stopping: Option<StopReason>,
+
+    pending_creator: Option<PendingCreator>,
+    /// Connections detached by the stop, kept so that requests still in
+    /// the mailbox when it stops are answered, not dropped.
+    departed: HashMap<ConnId, ConnectionHandle>,
+    /// Bumped when a store failure discards what was not committed.
+    epoch: u64,
+    /// Set while the store cannot write: what failed. Requests that need an
+    /// append are refused with `store_unavailable` until a retry works.
+    store_failure: Option<String>,
+    /// Store failures in a row, for the retry's backoff.
+    failed_attempts: u32,
 }
 
 impl Actor for Conversation {
@@ -266,6 +304,11 @@ impl Actor for Conversation {
             idle_timer: None,
             grace_timer: None,
             stopping: None,
+            pending_creator: None,
+            departed: HashMap::new(),
+            epoch: 0,
+            store_failure: None,
+            failed_attempts: 0,
         };
         let max_close_delay = args.config.conversations.max_close_delay;
         match args.origin {
@@ -314,6 +357,11 @@ impl Actor for Conversation {
                 state.queue.extend(queued);
                 state.seen_msg_ids.extend(client_msg_ids);
                 state.last_turn_message_seq = meta.last_turn_message_seq;
+                state.close_orphaned_turn(
+                    &meta,
+                    TurnStatus::Interrupted,
+                    "the conversation stopped unexpectedly during this turn",
+                );
                 state.append(EventData::AgentStarted { reason });
                 state.start_next_turn(&myself);
             }
@@ -330,6 +378,9 @@ impl Actor for Conversation {
         state: &mut State,
     ) -> Result<(), ActorProcessingErr> {
         if state.stopping.is_some() && state.refuse_while_stopping(&message) {
+            return Ok(());
+        }
+        if state.store_failure.is_some() && state.refuse_while_store_fails(&message) {
             return Ok(());
         }
         match message {
@@ -372,18 +423,30 @@ impl Actor for Conversation {
             ConversationMsg::Committed {
                 upto,
                 credits,
+                epoch,
                 result,
             } => {
-                if let Err(e) = result {
-                    // Nothing of this append was sent to anyone; without a
-                    // store the conversation cannot keep its promises.
-                    error!(conversation = %state.id, error = %e, "store append failed");
-                    return Err(Box::new(e));
-                }
                 state.credits.add_permits(credits);
-                state.on_committed(&myself, upto);
-                if state.stopping.is_some() && state.in_flight.is_empty() {
-                    state.finish_stop(&myself);
+                if epoch != state.epoch {
+                    // Discarded by an earlier failure: nobody was sent it.
+                    return Ok(());
+                }
+                if let Err(e) = result {
+                    if state.on_store_failure(&myself, e) {
+                        return Ok(());
+                    }
+                } else {
+                    state.failed_attempts = 0;
+                    state.on_committed(&myself, upto);
+                    if state.stopping.is_some() && state.in_flight.is_empty() {
+                        state.finish_stop(&myself);
+                        return Ok(());
+                    }
+                }
+            }
+            ConversationMsg::RetryStore => state.retry_store(&myself),
+            ConversationMsg::Reloaded(result) => {
+                if state.on_reloaded(&myself, result) {
                     return Ok(());
                 }
             }
@@ -472,6 +535,8 @@ impl State {
     fn reply_to(&self, conn: ConnId, frame: &ServerFrame) {
         if let Some(attachment) = self.attachments.get(&conn) {
             attachment.conn.outbound.reply(frame);
+        } else if let Some(departed) = self.departed.get(&conn) {
+            departed.outbound.reply(frame);
         }
     }
 
@@ -488,7 +553,15 @@ impl State {
                 ));
                 false
             }
-            None => false,
+            None => {
+                self.refuse(
+                    conn,
+                    req.clone(),
+                    ErrorCode::NotAttached,
+                    "not attached to this conversation; attach again".into(),
+                );
+                false
+            }
         }
     }
 
@@ -509,12 +582,17 @@ impl State {
         duplicate: Option<bool>,
     ) {
         let frame = ServerFrame::Ack {
-            req,
+            req: req.clone(),
             conversation_id: self.id.to_string(),
             seq: Some(seq),
             duplicate,
         };
-        self.defer(DeferredReply { seq, conn, frame });
+        self.defer(DeferredReply {
+            seq,
+            conn,
+            req,
+            frame,
+        });
     }
 
     fn defer(&mut self, reply: DeferredReply) {

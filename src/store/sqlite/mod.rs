@@ -48,7 +48,7 @@ use tokio::sync::oneshot;
 
 use super::{
     AppendBatch, CommitCallback, ConversationMeta, ConversationState, QueuedMessage, Snapshot,
-    Store, StoreError,
+    Store, StoreError, StoreHealth,
 };
 use crate::event::EventRecord;
 use crate::protocol::Status;
@@ -136,6 +136,7 @@ pub struct SqliteStore {
     _stop_checkpointer: Sender<()>,
     readers: Arc<Readers>,
     commits: Arc<AtomicU64>,
+    health: Arc<StoreHealth>,
     path: PathBuf,
     _writer: Joined,
     _checkpointer: Joined,
@@ -170,7 +171,9 @@ impl SqliteStore {
         let checkpointer = spawn("linger-store-checkpoint", move || checkpointer.run())?;
 
         let (tx, rx) = mpsc::channel();
+        let health = Arc::new(StoreHealth::default());
         let writer = Writer {
+            health: health.clone(),
             conn,
             rx,
             commits: commits.clone(),
@@ -181,6 +184,7 @@ impl SqliteStore {
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {
             tx,
+            health,
             _stop_checkpointer: stop_checkpointer,
             readers: Arc::new(Readers {
                 path: path.clone(),
@@ -240,6 +244,14 @@ impl Store for SqliteStore {
 
     async fn flush(&self) -> Result<(), StoreError> {
         self.request(|reply| Command::Flush { reply }).await
+    }
+
+    fn health(&self) -> Result<(), String> {
+        self.health.check()
+    }
+
+    async fn probe(&self) -> Result<(), StoreError> {
+        self.request(|reply| Command::Probe { reply }).await
     }
 
     async fn get(&self, id: &str) -> Result<Option<ConversationMeta>, StoreError> {

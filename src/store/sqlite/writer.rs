@@ -20,6 +20,10 @@ pub(super) enum Command {
     Flush {
         reply: oneshot::Sender<Result<(), StoreError>>,
     },
+    /// One small real write, to learn whether writes work again.
+    Probe {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
     Prune {
         cutoff: String,
         reply: oneshot::Sender<Result<u64, StoreError>>,
@@ -51,7 +55,9 @@ impl Command {
             Command::Delete { reply, .. } => {
                 let _ = reply.send(result.map(|d| matches!(d, Done::Existed(true))));
             }
-            Command::AddObserver { reply, .. } | Command::Flush { reply } => {
+            Command::AddObserver { reply, .. }
+            | Command::Flush { reply }
+            | Command::Probe { reply } => {
                 let _ = reply.send(result.map(|_| ()));
             }
             Command::Prune { reply, .. } => {
@@ -78,6 +84,8 @@ pub(super) struct Writer {
     pub(super) restart_wanted: Arc<AtomicBool>,
     /// Groups run since a restart was wanted without an idle moment.
     pub(super) busy_groups: u32,
+    /// Whether writes work, from every transaction's outcome.
+    pub(super) health: Arc<StoreHealth>,
 }
 
 impl Writer {
@@ -179,6 +187,15 @@ impl Writer {
             Err(e) => Err(e),
         };
 
+        // A command that failed alone because the disk is full (SQLite
+        // may undo just that statement) is an outage too, not a bad request.
+        let unavailable = results
+            .iter()
+            .find_map(|r| r.as_ref().err().filter(|e| e.is_unavailable()));
+        match (&outcome, unavailable) {
+            (Err(e), _) | (Ok(()), Some(e)) => self.health.record(Err(e)),
+            (Ok(()), None) => self.health.record(Ok(())),
+        }
         match outcome {
             Ok(()) => {
                 self.commits.fetch_add(1, Ordering::Relaxed);
@@ -391,6 +408,15 @@ pub(super) fn apply<'a>(
         }
         Command::AddObserver { id, user, .. } => add_observer(conn, id, user).map(|()| Done::Unit),
         Command::Flush { .. } => Ok(Done::Unit),
+        Command::Probe { .. } => {
+            conn.prepare_cached(
+                "CREATE TABLE IF NOT EXISTS health_probe (id INTEGER PRIMARY KEY, at TEXT NOT NULL)",
+            )?
+            .execute([])?;
+            conn.prepare_cached("INSERT OR REPLACE INTO health_probe (id, at) VALUES (1, ?1)")?
+                .execute([crate::event::now_rfc3339()])?;
+            Ok(Done::Unit)
+        }
         // Never in a group (see `Writer::take`).
         Command::Prune { .. } => Ok(Done::Unit),
     }

@@ -1,0 +1,250 @@
+//! When the store cannot write (disk full, I/O error, a locked or corrupt
+//! database): what was not committed is discarded, never sent; everyone who
+//! waited on it hears `store_unavailable`; the running turn ends; and the
+//! conversation retries with backoff until a write works, then goes on from
+//! what is committed, with seq contiguous and never reused.
+//!
+//! Why discard rather than hold and retry the failed append: a client told
+//! `store_unavailable` must be able to trust that nothing was recorded (the
+//! protocol says so), and a retried append could record, later, a message
+//! whose sender was told it failed. Discarding keeps that promise; the seq
+//! numbers of discarded events were never sent to anyone, so assigning them
+//! again reuses nothing a client saw.
+//!
+//! The turn that was running cannot continue (its output has nowhere to
+//! go), so it is stopped; once the store works again its end is recorded as
+//! `turn_finished {status: "failed", error}` naming the store, which is how
+//! the history explains the gap. Queued messages that were committed run
+//! after that.
+
+use super::*;
+
+/// The first retry comes after this long; each failure in a row doubles it
+/// up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(250);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+impl State {
+    /// An append failed. Returns whether the actor stopped.
+    pub(super) fn on_store_failure(
+        &mut self,
+        myself: &ActorRef<ConversationMsg>,
+        error: crate::store::StoreError,
+    ) -> bool {
+        m::store_append_failed();
+        let lost_from = self.committed + 1;
+        let lost_to = self.next_seq.saturating_sub(1);
+        warn!(conversation = %self.id, user = %self.user, error = %error,
+            committed = self.committed, lost_from, lost_to,
+            "store append failed: discarding what was not committed");
+        let message = format!(
+            "the store cannot write ({error}); nothing after seq {} was recorded",
+            self.committed
+        );
+        self.discard_uncommitted(&message);
+
+        if let Some(creator) = self.pending_creator.take() {
+            // Nothing of the conversation exists: the creator is told so and
+            // the actor goes (the supervisor forgets it as for any stop).
+            creator.conn.outbound.reply(&ServerFrame::error(
+                creator.req,
+                ErrorCode::StoreUnavailable,
+                format!("the conversation could not be created: {message}; retry later"),
+                None,
+            ));
+            let _ = creator.conn.actor.cast(ConnectionMsg::DetachedBy {
+                conversation_id: self.id.clone(),
+                actor: myself.get_id(),
+            });
+        }
+        if self.committed == 0 || self.stopping.is_some() {
+            // Never created, or stopping anyway: its stop could not be
+            // recorded, which the next activation explains (an open turn is
+            // closed then) or start-up recovery does.
+            self.stopping.get_or_insert(StopReason::Closed);
+            self.finish_stop(myself);
+            return true;
+        }
+
+        if let Some(turn) = self.turn.take() {
+            turn.timeout.abort();
+            self.session.stop_turn();
+            info!(conversation = %self.id, user = %self.user, turn = %turn.id,
+                "turn stopped: the store cannot record it");
+        }
+        for attachment in self.attachments.values() {
+            attachment.conn.outbound.reply(&ServerFrame::error(
+                None,
+                ErrorCode::StoreUnavailable,
+                format!(
+                    "{message}; the running turn was stopped; retrying, and the history will \
+                     say so once the store works again"
+                ),
+                Some(self.id.to_string()),
+            ));
+        }
+        self.store_failure = Some(error.to_string());
+        self.schedule_store_retry(myself);
+        false
+    }
+
+    /// Drops every event not committed and answers whoever waited on one.
+    fn discard_uncommitted(&mut self, message: &str) {
+        self.epoch += 1;
+        self.in_flight.clear();
+        self.batch.clear();
+        self.batch_client_ids.clear();
+        self.batch_create = None;
+        self.credits
+            .add_permits(std::mem::take(&mut self.batch_credits));
+        self.next_seq = self.committed + 1;
+        for reply in std::mem::take(&mut self.deferred) {
+            self.refuse(
+                reply.conn,
+                reply.req,
+                ErrorCode::StoreUnavailable,
+                format!("{message}; retry later"),
+            );
+        }
+        // What these held may name discarded events: they are read back
+        // from the store before the conversation goes on.
+        self.queue.clear();
+        self.seen_msg_ids.clear();
+    }
+
+    fn schedule_store_retry(&mut self, myself: &ActorRef<ConversationMsg>) {
+        let wait = RETRY_FIRST
+            .saturating_mul(1 << self.failed_attempts.min(16))
+            .min(RETRY_MAX);
+        self.failed_attempts += 1;
+        ractor::time::send_after(wait, myself.get_cell(), || ConversationMsg::RetryStore);
+    }
+
+    /// Probes the store and, if it writes again, reads back the committed
+    /// state (`Reloaded`).
+    pub(super) fn retry_store(&mut self, myself: &ActorRef<ConversationMsg>) {
+        if self.store_failure.is_none() {
+            return;
+        }
+        let store = self.store.clone();
+        let id = self.id.clone();
+        let tail = self.config.conversations.replay_buffer_events;
+        let me = myself.clone();
+        tokio::spawn(async move {
+            let result = match store.probe().await {
+                Ok(()) => store.snapshot(&id, tail).await.map(|s| s.map(Box::new)),
+                Err(e) => Err(e),
+            };
+            let _ = me.cast(ConversationMsg::Reloaded(result));
+        });
+    }
+
+    /// Goes on from the committed state once the store writes again.
+    /// Returns whether the actor stopped.
+    pub(super) fn on_reloaded(
+        &mut self,
+        myself: &ActorRef<ConversationMsg>,
+        result: Result<Option<Box<Snapshot>>, crate::store::StoreError>,
+    ) -> bool {
+        if self.store_failure.is_none() {
+            return false;
+        }
+        let snapshot = match result {
+            Ok(Some(snapshot)) => snapshot,
+            Ok(None) => {
+                // Deleted meanwhile.
+                self.stopping.get_or_insert(StopReason::Deleted);
+                self.finish_stop(myself);
+                return true;
+            }
+            Err(e) => {
+                debug!(conversation = %self.id, error = %e, "the store still cannot write");
+                self.schedule_store_retry(myself);
+                return false;
+            }
+        };
+        let failure = self.store_failure.take().unwrap_or_default();
+        let meta = &snapshot.meta;
+        info!(conversation = %self.id, user = %self.user, head_seq = meta.head_seq,
+            "the store writes again: going on from what was committed");
+        // The store may hold more than we saw committed: a write whose
+        // outcome was lost (a timeout after the data was written). Those
+        // events were never sent; the buffer is refilled from the store and
+        // every live connection catches up over them, so nobody has a gap.
+        let previous = self.committed;
+        if meta.head_seq != previous {
+            self.buffer.clear();
+            self.buffer_bytes = 0;
+            for record in snapshot.tail.iter().rev() {
+                if self.buffer_bytes + record.frame.len() > REPLAY_BUFFER_MAX_BYTES
+                    && !self.buffer.is_empty()
+                {
+                    break;
+                }
+                self.buffer_bytes += record.frame.len();
+                self.buffer.push_front(record.clone());
+            }
+        }
+        self.committed = meta.head_seq;
+        self.next_seq = meta.head_seq + 1;
+        if meta.head_seq > previous {
+            let live: Vec<ConnId> = self
+                .attachments
+                .iter()
+                .filter(|(_, a)| a.cursor == Cursor::Live)
+                .map(|(id, _)| *id)
+                .collect();
+            for conn in live {
+                self.spawn_catch_up(myself, conn, previous + 1, None);
+            }
+        }
+        self.queue = snapshot.queued.iter().cloned().collect();
+        self.seen_msg_ids = snapshot.client_msg_ids.iter().cloned().collect();
+        self.last_turn_message_seq = meta.last_turn_message_seq;
+        self.close_orphaned_turn(
+            meta,
+            TurnStatus::Failed,
+            &format!("the store could not record this turn ({failure}); it was stopped"),
+        );
+        self.start_next_turn(myself);
+        false
+    }
+
+    /// A turn the stored state says is running, while no turn runs here:
+    /// its actor died, or the store failed, before its end was recorded.
+    pub(super) fn close_orphaned_turn(
+        &mut self,
+        meta: &crate::store::ConversationMeta,
+        status: TurnStatus,
+        why: &str,
+    ) {
+        let open = matches!(meta.status, Status::Running | Status::Waiting);
+        if let (true, None, Some(turn_id)) = (open, &self.turn, &meta.current_turn_id) {
+            m::turn_finished(status);
+            self.append(EventData::TurnFinished {
+                turn_id: turn_id.clone(),
+                status,
+                error: Some(why.to_owned()),
+            });
+        }
+    }
+
+    /// While the store cannot write, requests that would append are
+    /// answered at once: nothing is recorded.
+    pub(super) fn refuse_while_store_fails(&self, message: &ConversationMsg) -> bool {
+        let (conn, req) = match message {
+            ConversationMsg::UserMessage { conn, req, .. }
+            | ConversationMsg::ToolResult { conn, req, .. }
+            | ConversationMsg::StopTurn { conn, req } => (*conn, req.clone()),
+            _ => return false,
+        };
+        let failure = self.store_failure.as_deref().unwrap_or("");
+        self.refuse(
+            conn,
+            req,
+            ErrorCode::StoreUnavailable,
+            format!("the store cannot write now ({failure}); nothing was recorded, retry later"),
+        );
+        true
+    }
+}

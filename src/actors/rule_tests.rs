@@ -1,0 +1,223 @@
+//! The supervisor's and the conversation's timer rules (idle close, detach
+//! grace, turn timeout, protocol §6) under tokio's paused clock: the real
+//! actors, the demo agent and an in-memory store, with an in-process
+//! "socket" (a connection actor fed frames, its outbound queue read back).
+//! Nothing here waits on a wall clock, so a busy machine cannot make these
+//! fail; the margins asserted are the protocol's, in virtual time.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorRef};
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use super::connection::{Connection, ConnectionArgs, ConnectionMsg};
+use super::outbound::{self, OutboundReceiver};
+use super::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::agent::demo::DemoAgent;
+use crate::config::Config;
+use crate::store::memory::MemoryStore;
+use crate::store::Store;
+
+struct Node {
+    supervisor: ActorRef<SupervisorMsg>,
+    store: Arc<MemoryStore>,
+    config: Arc<Config>,
+    _dir: tempfile::TempDir,
+}
+
+async fn node(tweak: impl FnOnce(&mut Config)) -> Node {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut config = Config::default();
+    config.store.path = dir.path().to_path_buf();
+    tweak(&mut config);
+    let config = Arc::new(config);
+    let store = Arc::new(MemoryStore::default());
+    let (supervisor, _) = Actor::spawn(
+        None,
+        Supervisor,
+        SupervisorArgs {
+            config: config.clone(),
+            store: store.clone() as Arc<dyn Store>,
+            agent: Arc::new(DemoAgent),
+        },
+    )
+    .await
+    .expect("supervisor");
+    Node {
+        supervisor,
+        store,
+        config,
+        _dir: dir,
+    }
+}
+
+/// A connection actor without a socket: frames go in as `Text`, what the
+/// client would read comes out of the outbound queue.
+struct Socket {
+    actor: ActorRef<ConnectionMsg>,
+    out: OutboundReceiver,
+}
+
+impl Socket {
+    async fn open(node: &Node, id: u64, user: &str) -> Socket {
+        let (outbound, out) = outbound::channel(1000, Duration::from_secs(30));
+        let (actor, _) = Actor::spawn(
+            None,
+            Connection,
+            ConnectionArgs {
+                id,
+                user: Arc::from(user),
+                outbound,
+                supervisor: node.supervisor.clone(),
+                config: node.config.clone(),
+                inflight: Arc::new(Semaphore::new(0)),
+            },
+        )
+        .await
+        .expect("connection actor");
+        Socket { actor, out }
+    }
+
+    fn send(&self, frame: Value) {
+        self.actor
+            .cast(ConnectionMsg::Text(frame.to_string()))
+            .expect("connection actor alive");
+    }
+
+    async fn recv(&mut self) -> Value {
+        let frame = self.out.rx.recv().await.expect("connection open");
+        serde_json::from_str(frame.as_str()).expect("JSON frame")
+    }
+
+    async fn recv_until(&mut self, pred: impl Fn(&Value) -> bool) -> Value {
+        loop {
+            let frame = self.recv().await;
+            if pred(&frame) {
+                return frame;
+            }
+        }
+    }
+
+    /// The socket goes away: the connection detaches everywhere.
+    fn close(self) {
+        let _ = self.actor.cast(ConnectionMsg::SocketClosed);
+    }
+}
+
+fn event_of(kind: &'static str) -> impl Fn(&Value) -> bool {
+    move |f| f["type"] == "event" && f["kind"] == kind
+}
+
+/// Waits (in virtual time) until the stored history of `id` has an event
+/// of `kind`; returns it.
+async fn stored(node: &Node, id: &str, kind: &str) -> Value {
+    loop {
+        let events = node.store.events(id, 0, usize::MAX).await.expect("events");
+        if let Some(e) = events.iter().find(|e| &*e.kind == kind) {
+            return serde_json::from_str(e.frame.as_str()).expect("JSON");
+        }
+        // Only paces the look in virtual time; it decides nothing.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Creates a conversation as `user` over the socket; returns its id.
+async fn create(socket: &mut Socket) -> String {
+    socket.send(json!({"type": "create", "req": 1}));
+    let created = socket.recv_until(|f| f["type"] == "created").await;
+    created["conversation_id"].as_str().expect("id").to_owned()
+}
+
+/// §6 margin: close_delay plus the larger of one second and a tenth.
+fn margin(delay: Duration) -> Duration {
+    delay + (delay / 10).max(Duration::from_secs(1))
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_close_fires_after_close_delay_within_the_margin() {
+    let delay = Duration::from_secs(15 * 60);
+    let node = node(|c| c.conversations.close_delay = delay).await;
+    let mut socket = Socket::open(&node, 1, "alice").await;
+    let id = create(&mut socket).await;
+    socket.send(json!({"type": "message", "conversation_id": id, "text": "hello"}));
+    socket.recv_until(event_of("turn_finished")).await;
+    socket.close();
+    let quiet_from = Instant::now();
+    let stopped = stored(&node, &id, "agent_stopped").await;
+    let quiet = quiet_from.elapsed();
+    assert_eq!(stopped["data"]["reason"], "idle", "{stopped}");
+    assert!(quiet >= delay, "closed after {quiet:?}");
+    assert!(quiet <= margin(delay), "closed after {quiet:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attached_or_running_conversation_is_never_idle_closed() {
+    let delay = Duration::from_secs(60);
+    let node = node(|c| {
+        c.conversations.close_delay = delay;
+        c.conversations.detach_grace = Duration::from_secs(3600);
+    })
+    .await;
+    let mut socket = Socket::open(&node, 1, "alice").await;
+    let id = create(&mut socket).await;
+    // Attached and idle for ten close delays: still active.
+    tokio::time::sleep(delay * 10).await;
+    socket.send(json!({"type": "message", "conversation_id": id, "text": "/sleep 30m", "req": 2}));
+    socket.recv_until(event_of("turn_started")).await;
+    // Running with nobody attached, past close_delay: still running.
+    socket.close();
+    tokio::time::sleep(delay * 10).await;
+    let events = node.store.events(&id, 0, usize::MAX).await.unwrap();
+    assert!(
+        !events.iter().any(|e| &*e.kind == "agent_stopped"),
+        "stopped while attached or running"
+    );
+    // Once the turn is over, the idle rule applies.
+    let finished = stored(&node, &id, "turn_finished").await;
+    assert_eq!(finished["data"]["status"], "completed", "{finished}");
+    let idle_from = Instant::now();
+    let stopped = stored(&node, &id, "agent_stopped").await;
+    assert_eq!(stopped["data"]["reason"], "idle");
+    assert!(idle_from.elapsed() <= margin(delay));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_detached_turn_is_abandoned_after_detach_grace() {
+    let grace = Duration::from_secs(10 * 60);
+    let node = node(|c| c.conversations.detach_grace = grace).await;
+    let mut socket = Socket::open(&node, 1, "alice").await;
+    let id = create(&mut socket).await;
+    socket.send(json!({"type": "message", "conversation_id": id, "text": "/sleep 8h"}));
+    socket.recv_until(event_of("turn_started")).await;
+    socket.close();
+    let detached_at = Instant::now();
+    let finished = stored(&node, &id, "turn_finished").await;
+    let after = detached_at.elapsed();
+    assert_eq!(finished["data"]["status"], "abandoned", "{finished}");
+    assert!(after >= grace && after <= grace + Duration::from_secs(1), "after {after:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_turn_past_its_timeout_fails_saying_so() {
+    let timeout = Duration::from_secs(30 * 60);
+    let node = node(|c| c.agent.turn_timeout = timeout).await;
+    let mut socket = Socket::open(&node, 1, "alice").await;
+    let id = create(&mut socket).await;
+    socket.send(json!({"type": "message", "conversation_id": id, "text": "/sleep 8h"}));
+    socket.recv_until(event_of("turn_started")).await;
+    let started = Instant::now();
+    let finished = socket.recv_until(event_of("turn_finished")).await;
+    let after = started.elapsed();
+    assert_eq!(finished["data"]["status"], "failed", "{finished}");
+    assert!(
+        finished["data"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("agent.turn_timeout")),
+        "{finished}"
+    );
+    assert!(after >= timeout && after <= timeout + Duration::from_secs(1), "after {after:?}");
+    let _ = id;
+}

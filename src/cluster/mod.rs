@@ -1,0 +1,152 @@
+//! Cluster mode's foundation (protocol §10): history, ownership and
+//! conversation summaries in NATS JetStream, through `async-nats`.
+//!
+//! # Layout
+//! - [`connect`]: connecting to `cluster.nats_urls`, refusing servers older
+//!   than 2.11, creating (or checking) the stream and buckets.
+//! - [`log`]: the per-conversation event log, every append a conditional
+//!   publish (the fence), and finding linger seq N without a scan.
+//! - [`lease`]: who should run a conversation: a KV key with a TTL, renewed
+//!   by its owner; expiries of dead nodes' leases are watched.
+//! - [`meta`]: conversation summaries ([`crate::store::ConversationMeta`]) in
+//!   a KV bucket, with a per-user index.
+//! - [`store`]: [`store::NatsStore`], the [`crate::store::Store`] trait over
+//!   the three, plus ownership (take over, fence) as its extension.
+//!
+//! # Two mechanisms, two jobs
+//! The lease says which node *should* run a conversation and lets others
+//! notice a dead one. The fence decides who *can* append: every append is
+//! conditional on the stream sequence of the conversation's last message,
+//! and a new owner's first act is a fence message of its own, so a node
+//! that was paused or cut off and still believes it owns the conversation
+//! has its next append refused ([`ClusterError::Fenced`]) and must stop.
+//! A lease alone never decides who may append.
+//!
+//! # When NATS is slow, full, gone or lying
+//! - **Slow**: every operation has a deadline ([`ClusterOptions::op_timeout`]);
+//!   past it the caller gets [`ClusterError::Unavailable`]. An append whose
+//!   ack did not come may still have been stored: it is retried with the
+//!   same `Nats-Msg-Id` (the server answers "duplicate" with the first
+//!   position), and when the dedup window has passed, the log's head is read
+//!   from the stream leader and recognized by its term and seq headers. So an
+//!   unknown outcome is resolved, never guessed.
+//! - **Full** (stream or account limits, message too large): the publish is
+//!   refused with an API error; it is reported as `Unavailable` (nothing was
+//!   stored, nothing may be sent) with the server's description in the text.
+//! - **Gone** (no server, no JetStream quorum, leader election): publishes
+//!   time out, get "no responders" or 503 errors (10163 on some 2.11
+//!   pre-releases: expected-sequence checks paused during a leader change;
+//!   10164: another conditional publish on the subject is in flight). These are retried until the
+//!   deadline, then reported `Unavailable` (protocol: `store_unavailable`,
+//!   `/healthz` 503). The client reconnects by itself forever; the next
+//!   append after recovery works without any reset because the fence is
+//!   checked by the server, not remembered by us.
+//! - **Lying** (a follower answering reads with stale data): reads that
+//!   decide ownership or the head go to the stream leader (`$JS.API.STREAM.
+//!   MSG.GET`, never a direct get that followers may answer). A server that
+//!   is too old to enforce expected sequences atomically across a leader
+//!   change (< 2.11) is refused at connect. Headers we read back are
+//!   checked; a message without them is reported as corrupt, not skipped.
+
+pub mod connect;
+pub mod lease;
+pub mod log;
+pub mod meta;
+pub mod store;
+
+use std::time::Duration;
+
+pub use connect::{connect, Cluster, ClusterOptions, MIN_SERVER_VERSION};
+
+/// The typed errors of the cluster layer.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClusterError {
+    /// NATS or JetStream could not answer in time, or refused for a reason
+    /// that is not about ownership. Maps to `store_unavailable`.
+    #[error("NATS unavailable: {0}")]
+    Unavailable(String),
+    /// Another owner (a later term) has appended since this node's last
+    /// append: this node lost the conversation and must stop it.
+    #[error("conversation {conversation}: fenced out (this node's term {term} is stale)")]
+    Fenced { conversation: String, term: u64 },
+    /// The NATS server cannot enforce linger's fencing.
+    #[error(
+        "NATS server {version} is too old: linger needs {MIN_SERVER_VERSION} or later, because \
+         older servers can accept two conditional appends for the same position (during a \
+         leader change), which would let two nodes write the same seq"
+    )]
+    ServerTooOld { version: String },
+    /// A stored message or value is not what linger writes.
+    #[error("NATS data: {0}")]
+    Corrupt(String),
+    /// A name that cannot be a NATS subject token.
+    #[error("invalid name for NATS: {0:?}")]
+    InvalidName(String),
+    #[error("conversation {0} not found")]
+    NotFound(String),
+    /// The lease is held by another node (or was lost).
+    #[error("conversation {conversation}: lease held by node {holder}")]
+    LeaseHeld {
+        conversation: String,
+        holder: String,
+    },
+}
+
+impl From<ClusterError> for crate::store::StoreError {
+    fn from(e: ClusterError) -> Self {
+        match e {
+            ClusterError::Unavailable(why) => crate::store::StoreError::Unavailable(why),
+            ClusterError::Fenced { conversation, term } => {
+                crate::store::StoreError::Fenced { conversation, term }
+            }
+            ClusterError::NotFound(id) => crate::store::StoreError::NotFound(id),
+            other => crate::store::StoreError::Backend(other.to_string()),
+        }
+    }
+}
+
+/// Conversation ids become subject tokens and KV keys: only
+/// `[A-Za-z0-9_-]` (linger's ids are `c_<ULID>`).
+pub(crate) fn check_token(name: &str) -> Result<&str, ClusterError> {
+    if !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        Ok(name)
+    } else {
+        Err(ClusterError::InvalidName(name.to_owned()))
+    }
+}
+
+/// Runs `op` until it succeeds, fails for good, or `timeout` passes; the
+/// retryable failures are the ones [`ClusterError::Unavailable`] stands for.
+pub(crate) async fn with_deadline<T, F, Fut>(
+    timeout: Duration,
+    what: &str,
+    mut op: F,
+) -> Result<T, ClusterError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClusterError>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let result = match tokio::time::timeout(remaining, op()).await {
+            Ok(r) => r,
+            Err(_) => Err(ClusterError::Unavailable(format!("{what}: timed out"))),
+        };
+        match result {
+            Err(ClusterError::Unavailable(why)) => {
+                if tokio::time::Instant::now() + backoff >= deadline {
+                    return Err(ClusterError::Unavailable(format!("{what}: {why}")));
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            other => return other,
+        }
+    }
+}

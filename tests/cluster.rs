@@ -1,0 +1,485 @@
+//! Cluster mode's foundation against real NATS servers: fenced appends,
+//! finding seq N, leases, server loss and recovery, and the version floor.
+//! Each test starts its own servers (tests/common/nats.rs) on free ports.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use common::nats::Nats;
+use common::RECV_TIMEOUT;
+use linger::cluster::lease::Leases;
+use linger::cluster::log::{EventLog, Fence};
+use linger::cluster::{connect, Cluster, ClusterError, ClusterOptions};
+use linger::config::{ClusterMode, Config};
+use linger::event::EventRecord;
+
+fn options(op_timeout: Duration, replicas: usize, lease_ttl: Duration) -> ClusterOptions {
+    ClusterOptions {
+        op_timeout,
+        prefix: "LT".into(),
+        replicas,
+        lease_ttl,
+        retain: Duration::from_secs(3600),
+    }
+}
+
+async fn cluster(urls: Vec<String>, opts: ClusterOptions) -> Cluster {
+    connect(&urls, opts)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to NATS: {e}"))
+}
+
+fn events(conversation: &str, from: u64, n: u64, tag: &str) -> Vec<Arc<EventRecord>> {
+    (from..from + n)
+        .map(|seq| {
+            Arc::new(EventRecord::from_parts(
+                conversation,
+                seq,
+                "2026-01-01T00:00:00.000Z".into(),
+                Arc::from("text_delta"),
+                serde_json::json!({ "turn_id": "t", "text": format!("{tag}{seq}") }).to_string(),
+            ))
+        })
+        .collect()
+}
+
+fn text(record: &EventRecord) -> String {
+    let v: serde_json::Value = serde_json::from_str(&record.data).unwrap();
+    v["text"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test]
+async fn a_stale_owner_is_fenced_and_the_new_owner_goes_on() {
+    let nats = Nats::single().await;
+    let c = cluster(
+        nats.urls(),
+        options(RECV_TIMEOUT, 1, Duration::from_secs(5)),
+    )
+    .await;
+    let log = EventLog::open(&c).await.unwrap();
+
+    let mut a = log.take_over("c_1", 1, "node-a", 0).await.unwrap();
+    log.append(&mut a, &events("c_1", 1, 3, "a")).await.unwrap();
+    assert_eq!(a.head_seq, 3);
+
+    // Node B takes over with the next term; its fence message locks A out.
+    let head = log.head("c_1").await.unwrap();
+    assert_eq!((head.seq, head.term, head.node.as_str()), (3, 1, "node-a"));
+    let mut b = log
+        .take_over("c_1", head.term + 1, "node-b", 0)
+        .await
+        .unwrap();
+    assert_eq!(b.head_seq, 3);
+
+    // A's next append (same seq B will use) is refused.
+    let stale = log.append(&mut a.clone(), &events("c_1", 4, 2, "a")).await;
+    assert!(
+        matches!(stale, Err(ClusterError::Fenced { ref conversation, term: 1 }) if conversation == "c_1"),
+        "{stale:?}"
+    );
+    // B's event at seq 4 is stored: A's refused attempt is no duplicate of it.
+    log.append(&mut b, &events("c_1", 4, 1, "b")).await.unwrap();
+    log.append(&mut b, &events("c_1", 5, 2, "b")).await.unwrap();
+    let all = log.read("c_1", 0, 100).await.unwrap();
+    let texts: Vec<String> = all.iter().map(|r| text(r)).collect();
+    assert_eq!(texts, ["a1", "a2", "a3", "b4", "b5", "b6"]);
+    // A stays out, whatever seq it tries.
+    let mut a2 = a.clone();
+    a2.head_seq = 6;
+    assert!(matches!(
+        log.append(&mut a2, &events("c_1", 7, 1, "a")).await,
+        Err(ClusterError::Fenced { .. })
+    ));
+    // An older term cannot take over again.
+    assert!(matches!(
+        log.take_over("c_1", 2, "node-c", 0).await,
+        Err(ClusterError::Fenced { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_retried_append_is_recognized_not_duplicated() {
+    let nats = Nats::single().await;
+    let c = cluster(
+        nats.urls(),
+        options(RECV_TIMEOUT, 1, Duration::from_secs(5)),
+    )
+    .await;
+    let log = EventLog::open(&c).await.unwrap();
+    let mut f = log.take_over("c_r", 1, "n1", 0).await.unwrap();
+    let before: Fence = f.clone();
+    let batch = events("c_r", 1, 3, "x");
+    log.append(&mut f, &batch).await.unwrap();
+    // The same append again (as after a lost ack): the server answers
+    // "duplicate" (dedup is checked before the expected sequence).
+    let mut again = before.clone();
+    log.append(&mut again, &batch).await.unwrap();
+    assert_eq!(again, f);
+    assert_eq!(log.read("c_r", 0, 100).await.unwrap().len(), 3);
+    // A new owner's first event at the same seq as an old owner's retry is
+    // not swallowed by dedup: the msg id carries the term.
+    let mut g = log.take_over("c_r", 2, "n2", 0).await.unwrap();
+    log.append(&mut g, &events("c_r", 4, 1, "y")).await.unwrap();
+    let got = log.read("c_r", 3, 10).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(text(&got[0]), "y4");
+}
+
+#[tokio::test]
+async fn seq_n_is_found_among_interleaved_conversations() {
+    let nats = Nats::single().await;
+    let c = cluster(
+        nats.urls(),
+        options(RECV_TIMEOUT, 1, Duration::from_secs(5)),
+    )
+    .await;
+    let log = EventLog::open(&c).await.unwrap();
+    let ids = ["c_a", "c_b", "c_c"];
+    let mut fences = Vec::new();
+    for id in ids {
+        fences.push(log.take_over(id, 1, "n1", 0).await.unwrap());
+    }
+    // Interleaved groups of different sizes, and a takeover in the middle.
+    for round in 0..12u64 {
+        for (i, id) in ids.iter().enumerate() {
+            let n = 1 + (round + i as u64) % 4;
+            let from = fences[i].head_seq + 1;
+            log.append(&mut fences[i], &events(id, from, n, id))
+                .await
+                .unwrap();
+        }
+        if round == 6 {
+            fences[1] = log.take_over("c_b", 2, "n2", 0).await.unwrap();
+        }
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let head = fences[i].head_seq;
+        for seq in 1..=head {
+            let got = log.read(id, seq - 1, 1).await.unwrap();
+            assert_eq!(got.len(), 1, "{id} seq {seq}");
+            assert_eq!(got[0].seq, seq);
+            assert_eq!(text(&got[0]), format!("{id}{seq}"));
+        }
+        let rest = log.read(id, 2, usize::MAX).await.unwrap();
+        assert_eq!(rest.len() as u64, head - 2);
+        assert!(log.read(id, head, 10).await.unwrap().is_empty());
+        assert_eq!(log.locate(id, head + 1).await.unwrap(), None);
+    }
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_taken_over_with_the_next_term() {
+    let nats = Nats::single().await;
+    let ttl = Duration::from_secs(1);
+    let c = cluster(nats.urls(), options(RECV_TIMEOUT, 1, ttl)).await;
+    let a = Leases::open(&c, "node-a").await.unwrap();
+    let b = Leases::open(&c, "node-b").await.unwrap();
+    let log = EventLog::open(&c).await.unwrap();
+    let mut expiries = b.expiries().await.unwrap();
+
+    let term = log.head("c_l").await.unwrap().term + 1;
+    let mut lease = a.acquire("c_l", term).await.unwrap();
+    let mut fence_a = log.take_over("c_l", lease.term, "node-a", 0).await.unwrap();
+    log.append(&mut fence_a, &events("c_l", 1, 1, "a"))
+        .await
+        .unwrap();
+    a.renew(&mut lease).await.unwrap();
+    // Held: B cannot take it.
+    match b.acquire("c_l", term + 1).await {
+        Err(ClusterError::LeaseHeld { holder, .. }) => assert_eq!(holder, "node-a"),
+        other => panic!("{other:?}"),
+    }
+    // A goes silent; B sees the lease expire.
+    let expired = tokio::time::timeout(RECV_TIMEOUT, expiries.next())
+        .await
+        .expect("an expiry within the timeout");
+    assert_eq!(expired.as_deref(), Some("c_l"));
+    assert_eq!(b.holder("c_l").await.unwrap(), None);
+
+    let head = log.head("c_l").await.unwrap();
+    let lease_b = b.acquire("c_l", head.term + 1).await.unwrap();
+    assert_eq!(lease_b.term, 2);
+    let mut fence_b = log
+        .take_over("c_l", lease_b.term, "node-b", 0)
+        .await
+        .unwrap();
+    log.append(&mut fence_b, &events("c_l", 2, 1, "b"))
+        .await
+        .unwrap();
+    // A wakes up: its renewal and its append are both refused.
+    assert!(matches!(
+        a.renew(&mut lease).await,
+        Err(ClusterError::LeaseHeld { .. })
+    ));
+    assert!(matches!(
+        log.append(&mut fence_a, &events("c_l", 2, 1, "a")).await,
+        Err(ClusterError::Fenced { .. })
+    ));
+    b.release(lease_b).await.unwrap();
+    assert_eq!(b.holder("c_l").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn appends_go_on_when_one_of_three_servers_dies() {
+    let mut nats = Nats::cluster().await;
+    let c = cluster(
+        nats.urls(),
+        options(RECV_TIMEOUT * 2, 3, Duration::from_secs(5)),
+    )
+    .await;
+    let log = EventLog::open(&c).await.unwrap();
+    let mut f = log.take_over("c_k", 1, "n1", 0).await.unwrap();
+    log.append(&mut f, &events("c_k", 1, 5, "e")).await.unwrap();
+    for victim in 0..3 {
+        nats.kill(victim);
+        let from = f.head_seq + 1;
+        log.append(&mut f, &events("c_k", from, 3, "e"))
+            .await
+            .unwrap();
+        nats.restart(victim).await;
+    }
+    let all = log.read("c_k", 0, 1000).await.unwrap();
+    let seqs: Vec<u64> = all.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, (1..=14).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn all_servers_gone_is_unavailable_and_recovers_by_itself() {
+    let mut nats = Nats::cluster().await;
+    let c = cluster(
+        nats.urls(),
+        options(Duration::from_secs(3), 3, Duration::from_secs(5)),
+    )
+    .await;
+    let log = EventLog::open(&c).await.unwrap();
+    let mut f = log.take_over("c_u", 1, "n1", 0).await.unwrap();
+    log.append(&mut f, &events("c_u", 1, 2, "e")).await.unwrap();
+
+    nats.stop_all();
+    let before = f.clone();
+    match log.append(&mut f, &events("c_u", 3, 2, "e")).await {
+        Err(ClusterError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert_eq!(f, before, "a failed append does not move the fence");
+    let err: linger::store::StoreError = ClusterError::Unavailable("x".into()).into();
+    assert!(matches!(err, linger::store::StoreError::Unavailable(_)));
+
+    nats.start_all().await;
+    // The same append again, until NATS is back (the client reconnects by
+    // itself); then seq goes on with no gap.
+    let deadline = tokio::time::Instant::now() + RECV_TIMEOUT * 3;
+    loop {
+        match log.append(&mut f, &events("c_u", 3, 2, "e")).await {
+            Ok(()) => break,
+            Err(ClusterError::Unavailable(why)) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "still unavailable: {why}"
+                )
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let seqs: Vec<u64> = log
+        .read("c_u", 0, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.seq)
+        .collect();
+    assert_eq!(seqs, [1, 2, 3, 4]);
+}
+
+/// A fake server that announces an old version in its INFO line (and
+/// answers the client's PING so that the handshake completes).
+#[tokio::test]
+async fn a_server_older_than_2_11_is_refused_with_the_reason() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let info = format!(
+                    "INFO {{\"server_id\":\"FAKE\",\"server_name\":\"fake\",\"version\":\"2.10.22\",\
+                     \"proto\":1,\"host\":\"127.0.0.1\",\"port\":{port},\"max_payload\":1048576,\
+                     \"jetstream\":true}}\r\n"
+                );
+                if sock.write_all(info.as_bytes()).await.is_err() {
+                    return;
+                }
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = sock.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    if buf[..n].windows(4).any(|w| w == b"PING")
+                        && sock.write_all(b"PONG\r\n").await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let result = connect(
+        &[format!("nats://127.0.0.1:{port}")],
+        options(Duration::from_secs(5), 1, Duration::from_secs(5)),
+    )
+    .await;
+    let err = match result {
+        Err(e) => e,
+        Ok(_) => panic!("an old server was accepted"),
+    };
+    assert!(matches!(err, ClusterError::ServerTooOld { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("2.10.22") && text.contains("2.11"), "{text}");
+    assert!(text.contains("two conditional appends"), "{text}");
+}
+
+#[test]
+fn the_cluster_section_has_defaults_and_refuses_bad_values() {
+    let c = Config::from_toml("").unwrap().cluster;
+    assert_eq!(c.mode, ClusterMode::Single);
+    assert_eq!(c.nats_urls, ["nats://127.0.0.1:4222"]);
+    assert_eq!(c.node_id, "");
+    assert_eq!(c.lease_ttl, Duration::from_secs(5));
+    assert_eq!(c.replicas, 1);
+    let c = Config::from_toml(
+        "[cluster]\nmode = \"nats\"\nnats_urls = [\"nats://a:1\", \"nats://b:2\"]\n\
+         node_id = \"node-1\"\nlease_ttl = \"2s\"\nreplicas = 3\n",
+    )
+    .unwrap()
+    .cluster;
+    assert_eq!(c.mode, ClusterMode::Nats);
+    assert_eq!(c.replicas, 3);
+    for (bad, key) in [
+        ("[cluster]\nmode = \"raft\"\n", "cluster.mode"),
+        ("[cluster]\nreplicas = 0\n", "cluster.replicas"),
+        ("[cluster]\nlease_ttl = \"soon\"\n", "cluster.lease_ttl"),
+        ("[cluster]\nlease_ttl = \"10ms\"\n", "cluster.lease_ttl"),
+        ("[cluster]\nnode_id = \"a.b\"\n", "cluster.node_id"),
+        (
+            "[cluster]\nmode = \"nats\"\nnats_urls = []\n",
+            "cluster.nats_urls",
+        ),
+        ("[cluster]\nleader = true\n", "cluster"),
+    ] {
+        let err = Config::from_toml(bad).unwrap_err().to_string();
+        assert!(err.contains(key) || err.contains("leader"), "{bad}: {err}");
+    }
+}
+
+fn batch(
+    id: &str,
+    from: u64,
+    n: u64,
+    create: bool,
+    status: linger::protocol::Status,
+) -> linger::store::AppendBatch {
+    use linger::store::{AppendBatch, ConversationState, NewConversation};
+    let evs = events(id, from, n, "s");
+    AppendBatch {
+        conversation_id: Arc::from(id),
+        create: create.then(|| NewConversation {
+            user: "alice".into(),
+            title: "hello".into(),
+            created_at: "2026-01-01T00:00:00.000Z".into(),
+            close_delay: None,
+        }),
+        state: ConversationState {
+            status,
+            head_seq: from + n - 1,
+            last_activity_at: "2026-01-01T00:00:01.000Z".into(),
+            current_turn_id: None,
+            last_turn_message_seq: 0,
+        },
+        events: evs,
+        client_msg_ids: Vec::new(),
+    }
+}
+
+async fn append(
+    store: &linger::cluster::store::NatsStore,
+    b: linger::store::AppendBatch,
+) -> Result<(), linger::store::StoreError> {
+    use linger::store::Store;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    store.append(
+        b,
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    );
+    rx.await.expect("the append is answered")
+}
+
+#[tokio::test]
+async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation() {
+    use linger::cluster::store::NatsStore;
+    use linger::protocol::Status;
+    use linger::store::{Store, StoreError};
+    let nats = Nats::single().await;
+    let c = cluster(
+        nats.urls(),
+        options(RECV_TIMEOUT, 1, Duration::from_secs(5)),
+    )
+    .await;
+    let one = NatsStore::open(&c, "node-1").await.unwrap();
+    let two = NatsStore::open(&c, "node-2").await.unwrap();
+
+    // Not owned here: refused.
+    assert!(matches!(
+        append(&one, batch("c_s", 1, 2, true, Status::Idle)).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    assert_eq!(one.take_over("c_s", 1).await.unwrap(), 0);
+    append(&one, batch("c_s", 1, 2, true, Status::Idle))
+        .await
+        .unwrap();
+    let mut with_ids = batch("c_s", 3, 2, false, Status::Running);
+    with_ids.client_msg_ids = vec![("msg-1/é".into(), 3)];
+    append(&one, with_ids).await.unwrap();
+    one.flush().await.unwrap();
+
+    // Any node answers the same.
+    let meta = two.get("c_s").await.unwrap().expect("a summary");
+    assert_eq!(
+        (meta.user.as_str(), meta.head_seq, meta.status),
+        ("alice", 4, Status::Running)
+    );
+    assert_eq!(two.list(Some("alice")).await.unwrap().len(), 1);
+    assert!(two.list(Some("bob")).await.unwrap().is_empty());
+    assert_eq!(two.events("c_s", 1, 10).await.unwrap().len(), 3);
+    two.add_observer("c_s", "bob").await.unwrap();
+    assert_eq!(one.get("c_s").await.unwrap().unwrap().observers, ["bob"]);
+    let snap = two.snapshot("c_s", 2).await.unwrap().expect("a snapshot");
+    assert_eq!(snap.tail.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4]);
+    assert_eq!(snap.client_msg_ids, [("msg-1/é".to_owned(), 3)]);
+    assert_eq!(two.unfinished().await.unwrap().len(), 1);
+
+    // Node 2 takes over (term 2); node 1's next append is fenced.
+    assert_eq!(two.take_over("c_s", 2).await.unwrap(), 4);
+    assert!(matches!(
+        append(&one, batch("c_s", 5, 1, false, Status::Idle)).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    append(&two, batch("c_s", 5, 1, false, Status::Stopped))
+        .await
+        .unwrap();
+    let meta = one.get("c_s").await.unwrap().unwrap();
+    assert_eq!((meta.head_seq, meta.status), (5, Status::Stopped));
+    assert_eq!(meta.observers, ["bob"]);
+    assert!(one.unfinished().await.unwrap().is_empty());
+
+    assert!(two.delete("c_s").await.unwrap());
+    assert!(one.get("c_s").await.unwrap().is_none());
+    assert!(one.events("c_s", 0, 10).await.unwrap().is_empty());
+    assert!(one.list(Some("alice")).await.unwrap().is_empty());
+    assert!(!two.delete("c_s").await.unwrap());
+}
