@@ -10,9 +10,15 @@ use serde_json::Value;
 
 use crate::protocol::StopReason;
 
-/// The payload of one event; the variant decides its `kind`.
-#[derive(Debug, Clone, Serialize)]
+/// The payload of one event; the variant decides its `kind`
+/// ([`EventKind::VARIANTS`] names them all).
+#[derive(Debug, Clone, Serialize, strum::EnumDiscriminants)]
 #[serde(untagged)]
+#[strum_discriminants(
+    name(EventKind),
+    derive(strum::VariantNames, strum::IntoStaticStr),
+    strum(serialize_all = "snake_case")
+)]
 pub enum EventData {
     ConversationCreated {
         user: String,
@@ -63,23 +69,12 @@ pub enum EventData {
 
 impl EventData {
     pub fn kind(&self) -> &'static str {
-        match self {
-            EventData::ConversationCreated { .. } => "conversation_created",
-            EventData::AgentStarted { .. } => "agent_started",
-            EventData::UserMessage { .. } => "user_message",
-            EventData::TurnStarted { .. } => "turn_started",
-            EventData::TextDelta { .. } => "text_delta",
-            EventData::AssistantMessage { .. } => "assistant_message",
-            EventData::ToolCall { .. } => "tool_call",
-            EventData::ToolResult { .. } => "tool_result",
-            EventData::TurnFinished { .. } => "turn_finished",
-            EventData::AgentStopped { .. } => "agent_stopped",
-        }
+        EventKind::from(self).into()
     }
 }
 
 /// Why a conversation became active (`agent_started.reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum StartReason {
     Created,
@@ -88,7 +83,7 @@ pub enum StartReason {
     Rest,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolTarget {
     Client,
@@ -96,7 +91,7 @@ pub enum ToolTarget {
 }
 
 /// Final status of a turn (`turn_finished.status`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Hash, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum TurnStatus {
     Completed,

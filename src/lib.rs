@@ -1,4 +1,6 @@
 //! linger: keeps AI-agent conversations alive when their websocket goes away.
+//! The protocol is described in `docs/protocol.md`; "protocol §N" in
+//! comments means its section N.
 //!
 //! # Layout
 //! - [`protocol`]: wire types of protocol v1; [`event`]: sequenced events,
@@ -9,7 +11,8 @@
 //! - [`store`]: the history store trait and its embedded SQLite default;
 //!   [`recovery`]: start-up recovery after a crash; [`cluster`]: the NATS
 //!   JetStream foundation of cluster mode (log, fence, leases, summaries).
-//! - [`gateway`]: axum routes: `/v1/ws`, REST, `/healthz`, `/metrics`.
+//! - [`gateway`]: axum routes: `/v1/ws`, REST, `/healthz`, `/metrics`,
+//!   `/v1/openapi.json`.
 //! - [`config`]: the TOML file and its env overrides; [`server`]: start and
 //!   graceful shutdown; [`metrics`]: Prometheus names.
 

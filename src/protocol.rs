@@ -1,4 +1,4 @@
-//! Wire types of protocol v1 (`shared/protocol.md` §3 and §4): every client
+//! Wire types of protocol v1 (`docs/protocol.md` §3 and §4): every client
 //! frame we parse and every unsequenced server frame we send. Sequenced events
 //! are built in [`crate::event`]; actors exchange typed messages, never JSON.
 
@@ -14,7 +14,9 @@ pub enum ReqId {
 }
 
 /// Attachment mode of a connection on a conversation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, strum::VariantArray,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     #[default]
@@ -31,9 +33,15 @@ impl Mode {
     }
 }
 
-/// A parsed, validated client frame.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+/// A parsed, validated client frame. [`ClientFrameType::VARIANTS`] names
+/// every `type` (docs/protocol.md lists each one; a test checks).
+#[derive(Debug, Clone, PartialEq, Deserialize, strum::EnumDiscriminants)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[strum_discriminants(
+    name(ClientFrameType),
+    derive(strum::VariantNames),
+    strum(serialize_all = "snake_case")
+)]
 pub enum ClientFrame {
     Create {
         #[serde(default)]
@@ -171,7 +179,7 @@ impl ClientFrame {
 }
 
 /// Conversation status as reported to clients and REST.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     Running,
@@ -202,7 +210,7 @@ impl Status {
 }
 
 /// Error codes of protocol §4.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     BadRequest,
@@ -220,7 +228,7 @@ pub enum ErrorCode {
 }
 
 /// Why a connection was detached from a conversation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum DetachReason {
     Client,
@@ -231,7 +239,7 @@ pub enum DetachReason {
 }
 
 /// Why a conversation's agent stopped (`agent_stopped.reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Hash, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum StopReason {
     Idle,
@@ -266,9 +274,15 @@ impl StopReason {
     }
 }
 
-/// Unsequenced server frames (never recorded).
-#[derive(Debug, Clone, Serialize)]
+/// Unsequenced server frames (never recorded); [`ServerFrameType::VARIANTS`]
+/// names every `type`.
+#[derive(Debug, Clone, Serialize, strum::EnumDiscriminants)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[strum_discriminants(
+    name(ServerFrameType),
+    derive(strum::VariantNames),
+    strum(serialize_all = "snake_case")
+)]
 pub enum ServerFrame {
     Created {
         #[serde(skip_serializing_if = "Option::is_none")]

@@ -1,9 +1,11 @@
 //! The HTTP side: `/v1/ws`, the REST endpoints, the web page (`/`),
-//! `/healthz` and `/metrics`,
-//! all sharing one [`AppState`].
+//! `/healthz`, `/metrics` and `/v1/openapi.json`, all sharing one
+//! [`AppState`]. The routes but the web page's are registered in
+//! [`openapi::api_routes`], which describes each as it adds it.
 
 pub mod auth;
 pub mod connections;
+pub mod openapi;
 pub mod rest;
 pub mod web;
 pub mod ws;
@@ -11,7 +13,7 @@ pub mod ws;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::Router;
 use ractor::ActorRef;
 use tokio_util::sync::CancellationToken;
@@ -38,19 +40,10 @@ pub struct AppState {
 }
 
 pub fn router(state: AppState) -> Router {
+    let (api, _) = openapi::api_routes().split_for_parts();
     Router::new()
         .route("/", get(web::index))
         .route("/web/{*file}", get(web::asset))
-        .route("/v1/ws", get(ws::upgrade))
-        .route("/v1/conversations", get(rest::list).post(rest::create))
-        .route(
-            "/v1/conversations/{id}",
-            get(rest::get).delete(rest::delete),
-        )
-        .route("/v1/conversations/{id}/events", get(rest::events))
-        .route("/v1/conversations/{id}/observers", post(rest::add_observer))
-        .route("/v1/admin/conversations", get(rest::admin_list))
-        .route("/healthz", get(rest::healthz))
-        .route("/metrics", get(rest::metrics))
+        .merge(api)
         .with_state(state)
 }

@@ -1,5 +1,7 @@
-//! The REST endpoints of protocol §2: list, get, events, create, delete,
-//! observers. Reads come from the store and never activate a conversation.
+//! The REST endpoints of protocol §2 (docs/protocol.md): list, get, events,
+//! create, delete, observers. Reads come from the store and never activate a
+//! conversation. Each handler's `#[utoipa::path]` is its entry in
+//! `/v1/openapi.json` ([`super::openapi`]).
 
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -9,8 +11,10 @@ use axum::Json;
 use ractor::rpc::CallResult;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
+use super::openapi::{status_schema, ErrorBody, EventsPage};
 use super::AppState;
 use crate::actors::supervisor::{create_conversation, ActivateError, SupervisorMsg, CALL_TIMEOUT};
 use crate::event::StartReason;
@@ -86,13 +90,20 @@ impl IntoResponse for ApiError {
 }
 
 /// A conversation as REST shows it.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct Summary {
+    #[schema(example = "c_01JDX9Q8ZK3M4T5V6W7X8Y9Z0A")]
     pub id: String,
     pub title: String,
+    #[schema(schema_with = status_schema)]
     pub status: &'static str,
+    /// The seq of its last event (0 before the first).
     pub head_seq: u64,
+    /// RFC 3339, UTC, milliseconds.
+    #[schema(example = "2026-11-30T10:00:00.123Z")]
     pub created_at: String,
+    /// When its last event was recorded (RFC 3339, UTC).
+    #[schema(example = "2026-11-30T10:04:31.870Z")]
     pub last_activity_at: String,
 }
 
@@ -129,6 +140,13 @@ async fn owned(app: &AppState, caller: &Caller, id: &str) -> Result<Conversation
     }
 }
 
+/// The caller's own conversations (not those they observe).
+#[utoipa::path(get, path = "/v1/conversations", tag = "conversations",
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The caller's conversations", body = Vec<Summary>),
+        (status = 401, description = "Missing or invalid token", body = ErrorBody),
+    ))]
 pub async fn list(
     State(app): State<AppState>,
     caller: Caller,
@@ -139,6 +157,14 @@ pub async fn list(
 
 /// Every user's conversations; admins only (others get 404, as if the route
 /// did not exist for them).
+#[utoipa::path(get, path = "/v1/admin/conversations", tag = "admin",
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Every user's conversation summaries, not their contents",
+            body = Vec<AdminSummary>),
+        (status = 401, description = "Missing or invalid token", body = ErrorBody),
+        (status = 404, description = "The caller is not an admin", body = ErrorBody),
+    ))]
 pub async fn admin_list(
     State(app): State<AppState>,
     caller: Caller,
@@ -158,13 +184,23 @@ pub async fn admin_list(
     ))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct AdminSummary {
+    /// The owner.
     user: String,
     #[serde(flatten)]
     summary: Summary,
 }
 
+/// One conversation the caller owns or observes.
+#[utoipa::path(get, path = "/v1/conversations/{id}", tag = "conversations",
+    security(("bearer" = [])),
+    params(("id" = String, Path, description = "The conversation id")),
+    responses(
+        (status = 200, description = "Its summary", body = Summary),
+        (status = 401, description = "Missing or invalid token", body = ErrorBody),
+        (status = 404, description = "No such conversation, or another user's", body = ErrorBody),
+    ))]
 pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
@@ -174,13 +210,29 @@ pub async fn get(
     Ok(Json(Summary::from(&meta)))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct EventsQuery {
+    /// Return events with a seq greater than this (default 0: from the start).
     #[serde(default)]
     after: u64,
+    /// Most events in the page: default 1000, at most 10000.
+    #[param(minimum = 1, maximum = 10000)]
     limit: Option<usize>,
 }
 
+/// Stored events of a conversation the caller owns or observes, oldest
+/// first. Never activates the conversation.
+#[utoipa::path(get, path = "/v1/conversations/{id}/events", tag = "conversations",
+    security(("bearer" = [])),
+    params(("id" = String, Path, description = "The conversation id"), EventsQuery),
+    responses(
+        (status = 200, description = "A page of events", body = EventsPage),
+        (status = 400, description = "`after` or `limit` is not a number", body = String,
+            content_type = "text/plain"),
+        (status = 401, description = "Missing or invalid token", body = ErrorBody),
+        (status = 404, description = "No such conversation, or another user's", body = ErrorBody),
+    ))]
 pub async fn events(
     State(app): State<AppState>,
     caller: Caller,
@@ -224,12 +276,28 @@ pub async fn events(
         .into_response())
 }
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Deserialize, Default, ToSchema)]
 pub struct CreateBody {
+    /// At most 200 characters; default empty.
     title: Option<String>,
+    /// A humantime duration (`90s`, `2h`) replacing `conversations.close_delay`
+    /// for this conversation, capped at `conversations.max_close_delay`.
+    #[schema(example = "2h")]
     close_delay: Option<String>,
 }
 
+/// Creates a conversation and activates it (`agent_started {reason: "rest"}`).
+#[utoipa::path(post, path = "/v1/conversations", tag = "conversations",
+    security(("bearer" = [])),
+    request_body(content = Option<CreateBody>, description = "Optional; `{}` or no body at all \
+        creates an untitled conversation", content_type = "application/json"),
+    responses(
+        (status = 201, description = "Created and active", body = Summary),
+        (status = 400, description = "Title too long, or a bad close_delay", body = ErrorBody),
+        (status = 401, description = "Missing or invalid token", body = ErrorBody),
+        (status = 429, description = "conversations.on_limit = \"reject\" and the caller is at \
+            conversations.max_per_user", body = ErrorBody),
+    ))]
 pub async fn create(
     State(app): State<AppState>,
     caller: Caller,
@@ -272,6 +340,18 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(Summary::from(&meta))).into_response())
 }
 
+/// Stops a conversation the caller owns (`agent_stopped {reason: "deleted"}`,
+/// its clients get `detached {reason: "deleted"}`) and deletes its history
+/// and workspace.
+#[utoipa::path(delete, path = "/v1/conversations/{id}", tag = "conversations",
+    security(("bearer" = [])),
+    params(("id" = String, Path, description = "The conversation id")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 401, description = "Missing or invalid token", body = ErrorBody),
+        (status = 404, description = "No such conversation, or not the caller's own",
+            body = ErrorBody),
+    ))]
 pub async fn delete(
     State(app): State<AppState>,
     caller: Caller,
@@ -301,11 +381,26 @@ pub async fn delete(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct ObserverBody {
+    /// The user who may attach in `observe` mode (1 to 64 bytes).
+    #[schema(example = "bob")]
     user: String,
 }
 
+/// Lets another user read a conversation the caller owns: attach with
+/// `mode: "observe"`, and the REST reads.
+#[utoipa::path(post, path = "/v1/conversations/{id}/observers", tag = "conversations",
+    security(("bearer" = [])),
+    params(("id" = String, Path, description = "The conversation id")),
+    request_body(content = ObserverBody, content_type = "application/json"),
+    responses(
+        (status = 204, description = "Granted"),
+        (status = 400, description = "A bad user name", body = ErrorBody),
+        (status = 401, description = "Missing or invalid token", body = ErrorBody),
+        (status = 404, description = "No such conversation, or not the caller's own",
+            body = ErrorBody),
+    ))]
 pub async fn add_observer(
     State(app): State<AppState>,
     caller: Caller,
@@ -325,7 +420,14 @@ pub async fn add_observer(
 }
 
 /// 200 while serving; 503 with the reason while the store cannot write
-/// (reads still work, but nothing new can be recorded).
+/// (reads still work, but nothing new can be recorded). No token needed.
+#[utoipa::path(get, path = "/healthz", tag = "service",
+    responses(
+        (status = 200, description = "Serving", body = String, content_type = "text/plain",
+            example = "ok\n"),
+        (status = 503, description = "The store cannot write now; says why", body = String,
+            content_type = "text/plain"),
+    ))]
 pub async fn healthz(State(app): State<AppState>) -> Response {
     match app.store.health() {
         Ok(()) => "ok\n".into_response(),
@@ -337,6 +439,11 @@ pub async fn healthz(State(app): State<AppState>) -> Response {
     }
 }
 
+/// Prometheus metrics (aggregate counters, no ids or user names). No token
+/// needed.
+#[utoipa::path(get, path = "/metrics", tag = "service",
+    responses((status = 200, description = "Prometheus text exposition format", body = String,
+        content_type = "text/plain; version=0.0.4")))]
 pub async fn metrics() -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

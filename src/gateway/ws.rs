@@ -43,6 +43,16 @@ const WRITE_BATCH: usize = 64;
 /// Its queued frames are dropped first, so this holds only the socket.
 const SLOW_CLOSE_PATIENCE: Duration = Duration::from_secs(15);
 
+/// The protocol v1 websocket (docs/protocol.md §3, §4): JSON text frames.
+#[utoipa::path(get, path = "/v1/ws", tag = "websocket",
+    security(("bearer" = []), ("token_query" = [])),
+    responses(
+        (status = 101, description = "Switching to the websocket protocol"),
+        (status = 401, description = "Missing or invalid token (before any upgrade)",
+            body = super::openapi::ErrorBody),
+        (status = 403, description = "A browser Origin not in server.allowed_origins",
+            body = super::openapi::ErrorBody),
+    ))]
 pub async fn upgrade(
     State(app): State<AppState>,
     caller: Caller,

@@ -1,6 +1,6 @@
 //! Test harness for the integration tests: an in-process server on a free
 //! port with its own temporary store, and a websocket client speaking
-//! protocol v1 (`shared/protocol.md`).
+//! protocol v1 (`docs/protocol.md`).
 //!
 //! Synchronization is always on frames or on stored state, never on a fixed
 //! sleep. Every wait is bounded by [`RECV_TIMEOUT`] and panics with what it
