@@ -14,6 +14,13 @@ use async_trait::async_trait;
 use crate::event::EventRecord;
 use crate::protocol::Status;
 
+/// How many of a conversation's most recent `client_msg_id`s are kept (and
+/// loaded on activation) for idempotency: a `message` that repeats an id
+/// older than the last this many is taken as new. The store prunes older ids
+/// as new ones are recorded, so the ledger stays bounded however long the
+/// conversation lives.
+pub const CLIENT_MSG_ID_WINDOW: usize = 1000;
+
 /// A conversation's workspace: `store.path/workspaces/<id>`, made at
 /// creation, kept across stops and restarts, removed by delete.
 pub fn workspace_dir(store_path: &Path, conversation_id: &str) -> PathBuf {
@@ -87,7 +94,8 @@ pub struct Snapshot {
     pub tail: Vec<Arc<EventRecord>>,
     /// User messages recorded after the last turn started, oldest first.
     pub queued: Vec<QueuedMessage>,
-    /// Every `client_msg_id` seen, with the seq of its `user_message`.
+    /// The last [`CLIENT_MSG_ID_WINDOW`] `client_msg_id`s seen, with the seq
+    /// of their `user_message`, oldest first.
     pub client_msg_ids: Vec<(String, u64)>,
 }
 
@@ -103,6 +111,12 @@ pub enum StoreError {
     Closed,
     #[error("store: conversation {0} not found")]
     NotFound(String),
+}
+
+impl From<rusqlite::types::FromSqlError> for StoreError {
+    fn from(e: rusqlite::types::FromSqlError) -> Self {
+        StoreError::Backend(e.to_string())
+    }
 }
 
 impl From<rusqlite::Error> for StoreError {

@@ -2,6 +2,7 @@
 //! starting and ending turns, client tool calls and what the agent reports.
 
 use super::*;
+use crate::store::CLIENT_MSG_ID_WINDOW;
 
 impl State {
     pub(super) fn user_message(
@@ -42,6 +43,7 @@ impl State {
         if let Some(id) = client_msg_id {
             self.seen_msg_ids.insert(id.clone(), seq);
             self.batch_client_ids.push((id, seq));
+            self.bound_seen_msg_ids();
         }
         self.ack_when_committed(conn, req, seq, Some(false));
         self.queue.push_back(QueuedMessage { seq, text });
@@ -187,5 +189,21 @@ impl State {
                 self.end_turn(myself, status, failed);
             }
         }
+    }
+}
+
+impl State {
+    /// Keeps the idempotency window in memory as the store keeps it on disk
+    /// (the last [`CLIENT_MSG_ID_WINDOW`] ids), trimming once it holds twice
+    /// that, so that a long conversation's map does not grow forever.
+    fn bound_seen_msg_ids(&mut self) {
+        if self.seen_msg_ids.len() < 2 * CLIENT_MSG_ID_WINDOW {
+            return;
+        }
+        let mut seqs: Vec<u64> = self.seen_msg_ids.values().copied().collect();
+        let cut = seqs.len() - CLIENT_MSG_ID_WINDOW;
+        let (_, oldest_kept, _) = seqs.select_nth_unstable(cut);
+        let oldest_kept = *oldest_kept;
+        self.seen_msg_ids.retain(|_, seq| *seq >= oldest_kept);
     }
 }

@@ -38,6 +38,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod checkpoint;
 mod reader;
+mod runs;
+mod schema;
 #[cfg(test)]
 mod tests;
 mod writer;
@@ -48,12 +50,13 @@ use tokio::sync::oneshot;
 
 use super::{
     AppendBatch, CommitCallback, ConversationMeta, ConversationState, QueuedMessage, Snapshot,
-    Store, StoreError,
+    Store, StoreError, CLIENT_MSG_ID_WINDOW,
 };
 use crate::event::EventRecord;
 use crate::protocol::Status;
 use checkpoint::*;
 use reader::*;
+use runs::*;
 use writer::*;
 
 /// Most commands one transaction takes. Large enough that a burst is a
@@ -61,10 +64,10 @@ use writer::*;
 /// not held back for long.
 const MAX_GROUP: usize = 4096;
 
-/// Events a prune deletes per transaction: a first prune of a large history
+/// Runs a prune looks at per transaction: a first prune of a large history
 /// runs as many small steps between groups of appends, instead of one long
 /// transaction that would hold every append back.
-const PRUNE_CHUNK: i64 = 2000;
+const PRUNE_CHUNK: i64 = 256;
 
 /// Idle read connections kept for reuse; more may be open while busy.
 const MAX_IDLE_READERS: usize = 4;
@@ -90,42 +93,15 @@ const CATCH_UP_PASSES: usize = 8;
 /// otherwise grow without bound.
 const RESTART_WITHIN_GROUPS: u32 = 256;
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS conversations (
-    id                    TEXT PRIMARY KEY NOT NULL,
-    user                  TEXT NOT NULL,
-    title                 TEXT NOT NULL,
-    status                TEXT NOT NULL,
-    created_at            TEXT NOT NULL,
-    last_activity_at      TEXT NOT NULL,
-    head_seq              INTEGER NOT NULL,
-    close_delay_ms        INTEGER,
-    observers             TEXT NOT NULL DEFAULT '[]',
-    current_turn_id       TEXT,
-    last_turn_message_seq INTEGER NOT NULL DEFAULT 0
-);
--- On `user` alone: an index that held last_activity_at would be rewritten by
--- nearly every commit, and one user's rows are few enough to sort.
-CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations (user);
-CREATE TABLE IF NOT EXISTS events (
-    conversation_id TEXT NOT NULL,
-    seq             INTEGER NOT NULL,
-    ts              TEXT NOT NULL,
-    kind            TEXT NOT NULL,
-    data            TEXT NOT NULL,
-    PRIMARY KEY (conversation_id, seq)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS events_by_ts ON events (ts);
-CREATE TABLE IF NOT EXISTS client_msgs (
-    conversation_id TEXT NOT NULL,
-    client_msg_id   TEXT NOT NULL,
-    seq             INTEGER NOT NULL,
-    PRIMARY KEY (conversation_id, client_msg_id)
-) WITHOUT ROWID;
-";
-
-const META_COLUMNS: &str = "id, user, title, status, created_at, last_activity_at, head_seq, \
-     close_delay_ms, observers, current_turn_id, last_turn_message_seq";
+/// A conversations row with its latest run's last seq and ts: the row's
+/// `head_seq` and `last_activity_at` are those of its last write, and the
+/// runs appended since (if any) have the newer ones (see [`schema`]).
+const META_SELECT: &str = "SELECT c.id, c.user, c.title, c.status, c.created_at, \
+     c.last_activity_at, c.head_seq, c.close_delay_ms, c.observers, c.current_turn_id, \
+     c.last_turn_message_seq, r.last_seq, r.max_ts, \
+     CASE WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END AS activity \
+     FROM conversations c LEFT JOIN event_runs r ON r.conversation_id = c.id \
+     AND r.last_seq = (SELECT max(last_seq) FROM event_runs WHERE conversation_id = c.id)";
 
 /// The embedded store. Cheap to share behind an `Arc`; dropping the last
 /// handle lets the writer finish what is queued and close the database.
@@ -253,17 +229,14 @@ impl Store for SqliteStore {
             let rows = match &user {
                 Some(user) => {
                     let mut stmt = conn.prepare_cached(&format!(
-                        "SELECT {META_COLUMNS} FROM conversations WHERE user = ?1 \
-                         ORDER BY last_activity_at DESC, id"
+                        "{META_SELECT} WHERE c.user = ?1 ORDER BY activity DESC, c.id"
                     ))?;
                     let rows = stmt.query_map([user], RawMeta::from_row)?;
                     rows.collect::<Result<Vec<_>, _>>()?
                 }
                 None => {
-                    let mut stmt = conn.prepare_cached(&format!(
-                        "SELECT {META_COLUMNS} FROM conversations \
-                         ORDER BY last_activity_at DESC, id"
-                    ))?;
+                    let mut stmt = conn
+                        .prepare_cached(&format!("{META_SELECT} ORDER BY activity DESC, c.id"))?;
                     let rows = stmt.query_map([], RawMeta::from_row)?;
                     rows.collect::<Result<Vec<_>, _>>()?
                 }
@@ -280,21 +253,11 @@ impl Store for SqliteStore {
         limit: usize,
     ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| {
-            let mut stmt = conn.prepare_cached(
-                "SELECT seq, ts, kind, data FROM events \
-                 WHERE conversation_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
-            )?;
-            let rows = stmt.query_map(
-                params![id, clamp_i64(after), clamp_i64(limit as u64)],
-                |row| event_from_row(&id, row),
-            )?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })
-        .await
+        self.read(move |conn| events_after(conn, &id, after, limit, |_| true))
+            .await
     }
 
-    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+    async fn snapshot(&self, id: &str, tail_len: usize) -> Result<Option<Snapshot>, StoreError> {
         let id = id.to_owned();
         self.read(move |conn| {
             // One read transaction, so that the row, the tail and the queue
@@ -303,48 +266,36 @@ impl Store for SqliteStore {
             let Some(meta) = get_meta(&tx, &id)? else {
                 return Ok(None);
             };
-            let mut tail_events = {
+            let tail_events = tail(&tx, &id, tail_len)?;
+            let queued = events_after(&tx, &id, meta.last_turn_message_seq, usize::MAX, |ev| {
+                ev.kind() == "user_message"
+            })?;
+            let queued = queued
+                .into_iter()
+                .map(|ev| {
+                    Ok(QueuedMessage {
+                        seq: ev.seq,
+                        text: message_text(&ev.data).ok_or_else(|| {
+                            StoreError::Backend(format!(
+                                "conversation {id}: user_message {} has no text",
+                                ev.seq
+                            ))
+                        })?,
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            // Only the window is kept; the newest first, then oldest first.
+            let mut client_msg_ids = {
                 let mut stmt = tx.prepare_cached(
-                    "SELECT seq, ts, kind, data FROM events \
+                    "SELECT client_msg_id, seq FROM client_msgs \
                      WHERE conversation_id = ?1 ORDER BY seq DESC LIMIT ?2",
                 )?;
-                let rows = stmt.query_map(params![id, clamp_i64(tail as u64)], |row| {
-                    event_from_row(&id, row)
+                let rows = stmt.query_map(params![id, CLIENT_MSG_ID_WINDOW as i64], |row| {
+                    Ok((row.get(0)?, row.get(1)?))
                 })?;
                 rows.collect::<Result<Vec<_>, _>>()?
             };
-            tail_events.reverse();
-            let queued = {
-                let mut stmt = tx.prepare_cached(
-                    "SELECT seq, data FROM events WHERE conversation_id = ?1 AND seq > ?2 \
-                     AND kind = 'user_message' ORDER BY seq",
-                )?;
-                let rows = stmt
-                    .query_map(params![id, clamp_i64(meta.last_turn_message_seq)], |row| {
-                        Ok((row.get::<_, u64>(0)?, row.get::<_, String>(1)?))
-                    })?;
-                let rows = rows.collect::<Result<Vec<_>, _>>()?;
-                rows.into_iter()
-                    .map(|(seq, data)| {
-                        Ok(QueuedMessage {
-                            seq,
-                            text: message_text(&data).ok_or_else(|| {
-                                StoreError::Backend(format!(
-                                    "conversation {id}: user_message {seq} has no text"
-                                ))
-                            })?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>, StoreError>>()?
-            };
-            let client_msg_ids = {
-                let mut stmt = tx.prepare_cached(
-                    "SELECT client_msg_id, seq FROM client_msgs \
-                     WHERE conversation_id = ?1 ORDER BY seq",
-                )?;
-                let rows = stmt.query_map([&id], |row| Ok((row.get(0)?, row.get(1)?)))?;
-                rows.collect::<Result<Vec<_>, _>>()?
-            };
+            client_msg_ids.reverse();
             Ok(Some(Snapshot {
                 meta,
                 tail: tail_events,
@@ -358,8 +309,7 @@ impl Store for SqliteStore {
     async fn unfinished(&self) -> Result<Vec<ConversationMeta>, StoreError> {
         self.read(|conn| {
             let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {META_COLUMNS} FROM conversations WHERE status != 'stopped' \
-                 ORDER BY last_activity_at DESC, id"
+                "{META_SELECT} WHERE c.status != 'stopped' ORDER BY activity DESC, c.id"
             ))?;
             let rows = stmt.query_map([], RawMeta::from_row)?;
             let rows = rows.collect::<Result<Vec<_>, _>>()?;

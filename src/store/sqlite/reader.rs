@@ -51,6 +51,9 @@ pub(super) struct RawMeta {
     pub(super) observers: String,
     pub(super) current_turn_id: Option<String>,
     pub(super) last_turn_message_seq: u64,
+    /// The latest run's last seq and ts, if any run is stored.
+    pub(super) run_last_seq: Option<u64>,
+    pub(super) run_max_ts: Option<String>,
 }
 
 impl RawMeta {
@@ -67,6 +70,8 @@ impl RawMeta {
             observers: row.get(8)?,
             current_turn_id: row.get(9)?,
             last_turn_message_seq: row.get(10)?,
+            run_last_seq: row.get(11)?,
+            run_max_ts: row.get(12)?,
         })
     }
 
@@ -78,6 +83,12 @@ impl RawMeta {
             ))
         })?;
         let observers = parse_observers(&self.id, &self.observers)?;
+        // The row is written when its status or turn changes; appends in
+        // between only add runs, which then hold the head.
+        let (head_seq, last_activity_at) = match (self.run_last_seq, self.run_max_ts) {
+            (Some(seq), Some(ts)) if seq > self.head_seq => (seq, ts),
+            _ => (self.head_seq, self.last_activity_at),
+        };
         Ok(ConversationMeta {
             status,
             observers,
@@ -86,8 +97,8 @@ impl RawMeta {
             user: self.user,
             title: self.title,
             created_at: self.created_at,
-            last_activity_at: self.last_activity_at,
-            head_seq: self.head_seq,
+            last_activity_at,
+            head_seq,
             current_turn_id: self.current_turn_id,
             last_turn_message_seq: self.last_turn_message_seq,
         })
@@ -99,9 +110,7 @@ pub(super) fn get_meta(
     id: &str,
 ) -> Result<Option<ConversationMeta>, StoreError> {
     let raw = conn
-        .prepare_cached(&format!(
-            "SELECT {META_COLUMNS} FROM conversations WHERE id = ?1"
-        ))?
+        .prepare_cached(&format!("{META_SELECT} WHERE c.id = ?1"))?
         .query_row([id], RawMeta::from_row)
         .optional()?;
     raw.map(RawMeta::into_meta).transpose()
@@ -110,17 +119,6 @@ pub(super) fn get_meta(
 pub(super) fn parse_observers(id: &str, json: &str) -> Result<Vec<String>, StoreError> {
     serde_json::from_str(json)
         .map_err(|e| StoreError::Backend(format!("conversation {id}: observers: {e}")))
-}
-
-pub(super) fn event_from_row(
-    id: &str,
-    row: &rusqlite::Row<'_>,
-) -> rusqlite::Result<Arc<EventRecord>> {
-    let seq: u64 = row.get(0)?;
-    let ts: String = row.get(1)?;
-    let kind = intern_kind(row.get_ref(2)?.as_str()?);
-    let data: String = row.get(3)?;
-    Ok(Arc::new(EventRecord::from_parts(id, seq, ts, kind, data)))
 }
 
 /// The `text` of a `user_message` event's data.

@@ -139,7 +139,7 @@ async fn callback_fires_after_commit() {
                 Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
             let n: i64 = conn
                 .query_row(
-                    "SELECT count(*) FROM events WHERE conversation_id = 'c_1'",
+                    "SELECT sum(n) FROM event_runs WHERE conversation_id = 'c_1'",
                     [],
                     |row| row.get(0),
                 )
@@ -615,4 +615,376 @@ async fn last_handle_dropped_by_a_callback() {
     );
     drop(store);
     rx.await.unwrap().unwrap();
+}
+
+fn user_message(id: &str, seq: u64, text: &str, cid: &str) -> Arc<EventRecord> {
+    record(
+        id,
+        seq,
+        crate::event::now_rfc3339(),
+        &EventData::UserMessage {
+            text: text.into(),
+            client_msg_id: Some(cid.into()),
+        },
+    )
+}
+
+fn seqs(events: &[Arc<EventRecord>]) -> Vec<u64> {
+    events.iter().map(|e| e.seq).collect()
+}
+
+#[tokio::test]
+async fn reads_by_seq_cross_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    // One append longer than a run, then many one-event appends.
+    let n = 2 * RUN_MAX_EVENTS as u64 + 10;
+    let evs = (2..=n + 1).map(|s| delta("c_1", s, "x")).collect();
+    append(
+        &store,
+        events_batch("c_1", evs, state(Status::Running, n + 1)),
+    )
+    .await
+    .unwrap();
+    for seq in n + 2..n + 20 {
+        append(
+            &store,
+            events_batch(
+                "c_1",
+                vec![delta("c_1", seq, "y")],
+                state(Status::Running, seq),
+            ),
+        )
+        .await
+        .unwrap();
+    }
+    let head = n + 19;
+    let all = store.events("c_1", 0, 10_000).await.unwrap();
+    assert_eq!(seqs(&all), (1..=head).collect::<Vec<_>>());
+    let mid = RUN_MAX_EVENTS as u64 - 3;
+    let some = store.events("c_1", mid, 10).await.unwrap();
+    assert_eq!(seqs(&some), (mid + 1..=mid + 10).collect::<Vec<_>>());
+    assert!(store.events("c_1", head, 10).await.unwrap().is_empty());
+    assert!(store.events("c_1", 0, 0).await.unwrap().is_empty());
+    let snap = store.snapshot("c_1", 300).await.unwrap().unwrap();
+    assert_eq!(seqs(&snap.tail), (head - 299..=head).collect::<Vec<_>>());
+    // Identical to what was appended, frame included.
+    assert_eq!(all[5].frame, delta_frame("c_1", &all[5]));
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.head_seq, head);
+    assert_eq!(meta.last_activity_at, all.last().unwrap().ts);
+}
+
+fn delta_frame(id: &str, ev: &EventRecord) -> axum::extract::ws::Utf8Bytes {
+    EventRecord::from_parts(id, ev.seq, ev.ts.clone(), ev.kind.clone(), ev.data.clone()).frame
+}
+
+#[tokio::test]
+async fn the_row_is_written_only_when_its_fields_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    append(&store, create_batch("c_2", "alice")).await.unwrap();
+    let mut running = state(Status::Running, 2);
+    running.current_turn_id = Some("t_1".into());
+    append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 2, "a")], running.clone()),
+    )
+    .await
+    .unwrap();
+    for seq in 3..=5 {
+        let mut st = running.clone();
+        st.head_seq = seq;
+        append(
+            &store,
+            events_batch("c_1", vec![delta("c_1", seq, "b")], st),
+        )
+        .await
+        .unwrap();
+    }
+    let raw = |sql: &str| -> i64 {
+        let conn = Connection::open(store.path()).unwrap();
+        conn.query_row(sql, [], |row| row.get(0)).unwrap()
+    };
+    // The row still says 2; the runs say 5, and that is what is read.
+    assert_eq!(
+        raw("SELECT head_seq FROM conversations WHERE id = 'c_1'"),
+        2
+    );
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.head_seq, 5);
+    assert_eq!(meta.status, Status::Running);
+    assert_eq!(meta.current_turn_id.as_deref(), Some("t_1"));
+    let last = store.events("c_1", 4, 1).await.unwrap();
+    assert_eq!(meta.last_activity_at, last[0].ts);
+    // c_1 is the most recently active.
+    let listed = store.list(Some("alice")).await.unwrap();
+    assert_eq!(listed[0].id, "c_1");
+    assert_eq!(listed[0].head_seq, 5);
+    // A status change writes the row.
+    append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 6, "c")], state(Status::Idle, 6)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        raw("SELECT head_seq FROM conversations WHERE id = 'c_1'"),
+        6
+    );
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!((meta.head_seq, meta.status), (6, Status::Idle));
+    assert_eq!(meta.current_turn_id, None);
+    // An append without events writes the row too (its state is all there is).
+    let mut st = state(Status::Idle, 6);
+    st.last_activity_at = ts(4_000_000_000);
+    append(&store, events_batch("c_1", vec![], st))
+        .await
+        .unwrap();
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.last_activity_at, ts(4_000_000_000));
+    // Appends must follow the head the runs hold, not the row's.
+    let err = append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 3, "x")], state(Status::Idle, 3)),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, StoreError::Backend(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_prune_of_the_last_run_keeps_the_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let evs: Vec<_> = (2..=4)
+        .map(|seq| {
+            record(
+                "c_1",
+                seq,
+                ts(1000 + seq),
+                &EventData::TextDelta {
+                    turn_id: "t".into(),
+                    text: "x".into(),
+                },
+            )
+        })
+        .collect();
+    append(&store, events_batch("c_1", evs, state(Status::Idle, 4)))
+        .await
+        .unwrap();
+    append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 5, "x")], state(Status::Idle, 5)),
+    )
+    .await
+    .unwrap();
+    let far = UNIX_EPOCH + Duration::from_secs(400_000 * 365 * 86_400);
+    assert_eq!(store.prune(far).await.unwrap(), 5);
+    assert!(store.events("c_1", 0, 10).await.unwrap().is_empty());
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.head_seq, 5);
+    // The history goes on from there.
+    append(
+        &store,
+        events_batch("c_1", vec![delta("c_1", 6, "x")], state(Status::Idle, 6)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(seqs(&store.events("c_1", 0, 10).await.unwrap()), [6]);
+}
+
+#[tokio::test]
+async fn the_client_msg_id_ledger_keeps_a_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let total = CLIENT_MSG_ID_WINDOW as u64 + 50;
+    // In appends of 10 messages, as a busy client would send them.
+    for chunk in (2..total + 2).collect::<Vec<_>>().chunks(10) {
+        let evs = chunk
+            .iter()
+            .map(|&seq| user_message("c_1", seq, "hi", &format!("m{seq}")))
+            .collect();
+        let head = *chunk.last().unwrap();
+        let mut st = state(Status::Idle, head);
+        st.last_turn_message_seq = head;
+        let mut batch = events_batch("c_1", evs, st);
+        batch.client_msg_ids = chunk.iter().map(|&seq| (format!("m{seq}"), seq)).collect();
+        append(&store, batch).await.unwrap();
+    }
+    let snap = store.snapshot("c_1", 1).await.unwrap().unwrap();
+    assert_eq!(snap.client_msg_ids.len(), CLIENT_MSG_ID_WINDOW);
+    let first = total + 2 - CLIENT_MSG_ID_WINDOW as u64;
+    assert_eq!(snap.client_msg_ids[0], (format!("m{first}"), first));
+    assert_eq!(
+        snap.client_msg_ids.last().unwrap(),
+        &(format!("m{}", total + 1), total + 1)
+    );
+    // Pruned on disk, not only in what the snapshot loads.
+    let conn = Connection::open(store.path()).unwrap();
+    let stored: i64 = conn
+        .query_row("SELECT count(*) FROM client_msgs", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(stored, CLIENT_MSG_ID_WINDOW as i64);
+}
+
+/// Writes a store in format version 1 the way the release before format
+/// versions did: its schema, its rows (a conversation's events one row
+/// each, every client_msg_id).
+fn write_v1_store(dir: &Path, events: u64, ids: u64) -> Vec<(String, u64, String, String, String)> {
+    let conn = Connection::open(dir.join("linger.db")).unwrap();
+    conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+    conn.execute_batch(schema::V1_SCHEMA).unwrap();
+    let tx = conn.unchecked_transaction().unwrap();
+    let mut rows = Vec::new();
+    for (id, n, status, first) in [("c_1", events, "idle", 1), ("c_2", 40, "stopped", 11)] {
+        tx.execute(
+            "INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
+             head_seq, close_delay_ms, observers, current_turn_id, last_turn_message_seq) \
+             VALUES (?1, 'alice', 'old', ?2, ?3, ?4, ?5, 90000, '[\"bob\"]', NULL, ?6)",
+            params![
+                id,
+                status,
+                ts(1_000),
+                ts(2_000 + n),
+                n as i64,
+                (n - 1) as i64
+            ],
+        )
+        .unwrap();
+        // c_2's first ten were pruned.
+        for seq in first..=n {
+            let data = if seq == n {
+                EventData::UserMessage {
+                    text: "queued \"one\"".into(),
+                    client_msg_id: Some(format!("q{id}")),
+                }
+            } else {
+                EventData::TextDelta {
+                    turn_id: "t_1".into(),
+                    text: format!("tok {seq} \u{e9}\n"),
+                }
+            };
+            let row = (
+                id.to_string(),
+                seq,
+                ts(2_000 + seq),
+                data.kind().to_string(),
+                serde_json::to_string(&data).unwrap(),
+            );
+            tx.execute(
+                "INSERT INTO events (conversation_id, seq, ts, kind, data) \
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![row.0, row.1 as i64, row.2, row.3, row.4],
+            )
+            .unwrap();
+            rows.push(row);
+        }
+    }
+    for i in 0..ids {
+        tx.execute(
+            "INSERT INTO client_msgs (conversation_id, client_msg_id, seq) VALUES ('c_1', ?1, ?2)",
+            params![format!("m{i}"), i as i64 + 1],
+        )
+        .unwrap();
+    }
+    tx.commit().unwrap();
+    rows
+}
+
+#[tokio::test]
+async fn a_version_1_store_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 3 * RUN_MAX_EVENTS as u64 + 7;
+    let ids = CLIENT_MSG_ID_WINDOW as u64 + 20;
+    let rows = write_v1_store(dir.path(), n, ids);
+    let store = SqliteStore::open(dir.path()).unwrap();
+    {
+        let conn = Connection::open(store.path()).unwrap();
+        let version: i64 = conn
+            .pragma_query_value(None, "user_version", |row| row.get(0))
+            .unwrap();
+        assert_eq!(version, schema::SCHEMA_VERSION);
+        let old_table: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_schema WHERE name IN ('events', 'events_by_ts')",
+                [],
+                |row| row.get(0),
+            )
+            .unwrap();
+        assert_eq!(old_table, 0);
+    }
+    for id in ["c_1", "c_2"] {
+        let got = store.events(id, 0, 100_000).await.unwrap();
+        let want: Vec<_> = rows.iter().filter(|r| r.0 == id).collect();
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert_eq!((g.seq, &g.ts, &*g.kind, &g.data), (w.1, &w.2, &*w.3, &w.4));
+        }
+    }
+    let some = store
+        .events("c_1", RUN_MAX_EVENTS as u64 - 1, 3)
+        .await
+        .unwrap();
+    assert_eq!(
+        seqs(&some),
+        (RUN_MAX_EVENTS as u64..RUN_MAX_EVENTS as u64 + 3).collect::<Vec<_>>()
+    );
+    let c2 = store.get("c_2").await.unwrap().unwrap();
+    assert_eq!((c2.head_seq, c2.status), (40, Status::Stopped));
+    assert_eq!(c2.observers, ["bob"]);
+    assert_eq!(c2.close_delay, Some(Duration::from_secs(90)));
+    assert_eq!(c2.last_activity_at, ts(2_040));
+    let snap = store.snapshot("c_1", 5).await.unwrap().unwrap();
+    assert_eq!(snap.meta.head_seq, n);
+    assert_eq!(seqs(&snap.tail), (n - 4..=n).collect::<Vec<_>>());
+    assert_eq!(
+        snap.queued,
+        [QueuedMessage {
+            seq: n,
+            text: "queued \"one\"".into()
+        }]
+    );
+    assert_eq!(snap.client_msg_ids.len(), CLIENT_MSG_ID_WINDOW);
+    assert_eq!(snap.client_msg_ids[0], ("m20".to_string(), 21));
+    assert_eq!(store.unfinished().await.unwrap().len(), 1);
+    // It goes on as a version 2 store, and opens again as one.
+    append(
+        &store,
+        events_batch(
+            "c_1",
+            vec![delta("c_1", n + 1, "new")],
+            state(Status::Idle, n + 1),
+        ),
+    )
+    .await
+    .unwrap();
+    drop(store);
+    let store = SqliteStore::open(dir.path()).unwrap();
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, n + 1);
+    assert_eq!(
+        store.events("c_1", 0, 100_000).await.unwrap().len() as u64,
+        n + 1
+    );
+}
+
+#[tokio::test]
+async fn a_store_from_a_newer_version_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let conn = Connection::open(dir.path().join("linger.db")).unwrap();
+        conn.pragma_update(None, "user_version", schema::SCHEMA_VERSION + 1)
+            .unwrap();
+    }
+    let err = SqliteStore::open(dir.path()).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("newer linger"), "{msg}");
+    assert!(
+        msg.contains(&format!("version {}", schema::SCHEMA_VERSION + 1)),
+        "{msg}"
+    );
 }
