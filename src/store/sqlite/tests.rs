@@ -988,3 +988,69 @@ async fn a_store_from_a_newer_version_is_refused() {
         "{msg}"
     );
 }
+
+/// A store written by the release before format versions (`linger serve`,
+/// then `linger new` twice and `linger send --wait` three times, one of
+/// them `/stream 300 0`; stopped by SIGTERM).
+const V1_FIXTURE: &[u8] = include_bytes!("../../../tests/fixtures/store-v1.db");
+
+#[tokio::test]
+async fn the_previous_release_store_is_migrated() {
+    let old = tempfile::tempdir().unwrap();
+    std::fs::write(old.path().join("linger.db"), V1_FIXTURE).unwrap();
+    // What the previous release stored, read with its own schema.
+    type Row = (String, u64, String, String, String);
+    let want: Vec<Row> = {
+        let conn = Connection::open(old.path().join("linger.db")).unwrap();
+        let mut stmt = conn
+            .prepare("SELECT conversation_id, seq, ts, kind, data FROM events ORDER BY 1, 2")
+            .unwrap();
+        let rows = stmt
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
+            .unwrap();
+        rows.collect::<Result<_, _>>().unwrap()
+    };
+    assert_eq!(want.len(), 340);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("linger.db"), V1_FIXTURE).unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let listed = store.list(Some("alice")).await.unwrap();
+    let heads: Vec<(&str, u64, Status)> = listed
+        .iter()
+        .map(|m| (m.id.as_str(), m.head_seq, m.status))
+        .collect();
+    // Both stopped in the same millisecond: then by id.
+    assert_eq!(
+        heads,
+        [
+            ("c_01M8PZR0SWASYW3E0D63V331H9", 313, Status::Stopped),
+            ("c_01M8PZR0T2H9RFFAYFD5MS031E", 27, Status::Stopped),
+        ]
+    );
+    for meta in &listed {
+        let got = store.events(&meta.id, 0, 10_000).await.unwrap();
+        let rows: Vec<&Row> = want.iter().filter(|r| r.0 == meta.id).collect();
+        assert_eq!(got.len() as u64, meta.head_seq);
+        for (g, w) in got.iter().zip(rows) {
+            assert_eq!((g.seq, &g.ts, &*g.kind, &g.data), (w.1, &w.2, &*w.3, &w.4));
+        }
+    }
+    let snap = store
+        .snapshot("c_01M8PZR0SWASYW3E0D63V331H9", 10)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(snap.meta.title, "first");
+    assert_eq!(snap.meta.last_turn_message_seq, 307);
+    assert!(snap.queued.is_empty());
+    assert_eq!(
+        snap.client_msg_ids,
+        [
+            ("cli-bd45684388f651cf0000170e".to_string(), 3),
+            ("cli-edb4d3a9b4b8009f00001711".to_string(), 307)
+        ]
+    );
+    assert_eq!(seqs(&snap.tail), (304..=313).collect::<Vec<_>>());
+}
