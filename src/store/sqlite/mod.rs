@@ -1,6 +1,7 @@
 //! The embedded SQLite history store: one database file (`linger.db`, WAL
-//! mode) holding every conversation's summary row, its events and the
-//! `client_msg_id`s it has seen.
+//! mode) holding every conversation's summary row, its events (in runs: one
+//! row per conversation per commit, see [`runs`]) and the window of its most
+//! recent `client_msg_id`s. Its format and migrations are [`schema`]'s.
 //!
 //! It owns three things:
 //!
