@@ -119,14 +119,17 @@ impl TurnStatus {
 }
 
 /// One recorded event, serialized once. `frame` is the exact text frame every
-/// connection is sent; `data` is what the store keeps.
+/// connection is sent; its `data` (what the store keeps) is read from the
+/// frame rather than kept twice, so an event held by the replay buffer costs
+/// its frame and little more.
 #[derive(Debug, Clone)]
 pub struct EventRecord {
     pub seq: u64,
     pub ts: String,
     pub kind: Arc<str>,
-    pub data: String,
     pub frame: Utf8Bytes,
+    /// Where `data` starts in `frame` (it ends before the closing brace).
+    data_at: usize,
 }
 
 impl EventRecord {
@@ -148,16 +151,28 @@ impl EventRecord {
         data: String,
     ) -> EventRecord {
         let id = serde_json::to_string(conversation_id).unwrap_or_else(|_| "\"\"".into());
-        let frame = format!(
-            r#"{{"type":"event","conversation_id":{id},"seq":{seq},"ts":"{ts}","kind":"{kind}","data":{data}}}"#
+        let mut frame = format!(
+            r#"{{"type":"event","conversation_id":{id},"seq":{seq},"ts":"{ts}","kind":"{kind}","data":"#
         );
+        let data_at = frame.len();
+        frame.push_str(&data);
+        frame.push('}');
         EventRecord {
             seq,
             ts,
             kind,
-            data,
             frame: Utf8Bytes::from(frame),
+            data_at,
         }
+    }
+
+    /// The event's `data`, JSON text.
+    pub fn data(&self) -> &str {
+        let frame = self.frame.as_str();
+        // `from_parts` put the data between `data_at` and the closing brace.
+        frame
+            .get(self.data_at..frame.len().saturating_sub(1))
+            .unwrap_or("{}")
     }
 }
 
@@ -186,5 +201,6 @@ mod tests {
         assert_eq!(v["kind"], "text_delta");
         assert_eq!(v["data"]["text"], "he said \"hi\"");
         assert!(v["ts"].as_str().unwrap().ends_with('Z'));
+        assert_eq!(rec.data(), r#"{"turn_id":"t_1","text":"he said \"hi\""}"#);
     }
 }

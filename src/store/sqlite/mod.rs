@@ -276,7 +276,7 @@ impl Store for SqliteStore {
                 .map(|ev| {
                     Ok(QueuedMessage {
                         seq: ev.seq,
-                        text: message_text(&ev.data).ok_or_else(|| {
+                        text: message_text(ev.data()).ok_or_else(|| {
                             StoreError::Backend(format!(
                                 "conversation {id}: user_message {} has no text",
                                 ev.seq

@@ -32,7 +32,7 @@ impl<'e> From<&'e EventRecord> for RunEvent<'e> {
             seq: r.seq,
             ts: &r.ts,
             kind: &r.kind,
-            data: &r.data,
+            data: r.data(),
         }
     }
 }
