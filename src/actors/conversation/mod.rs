@@ -20,7 +20,11 @@ mod turns;
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// The rules' clock is tokio's, so that the timers and the "how long has it
+// been quiet" checks agree, also under a paused clock in tests.
+use tokio::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use serde_json::Value;
@@ -528,8 +532,11 @@ impl State {
     }
 
     fn publish_gauge(&self) {
-        self.gauge
-            .publish(self.status(), self.attachments.len(), self.last_activity);
+        self.gauge.publish(
+            self.status(),
+            self.attachments.len(),
+            self.last_activity.into_std(),
+        );
     }
 
     fn reply_to(&self, conn: ConnId, frame: &ServerFrame) {
