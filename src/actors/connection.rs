@@ -441,12 +441,22 @@ impl State {
             announce,
         };
         if activated.actor.cast(message).is_err() {
-            self.error(
-                req,
-                ErrorCode::NotFound,
-                "the conversation stopped while attaching; attach again",
-                &activated.id,
-            );
+            match announce {
+                // A new conversation gone before its creator attached: its
+                // first write failed (nothing else stops it that early).
+                Announce::Created => self.reply(&ServerFrame::error(
+                    req,
+                    ErrorCode::StoreUnavailable,
+                    "the conversation could not be created: its first write failed; retry later",
+                    None,
+                )),
+                Announce::Attached => self.error(
+                    req,
+                    ErrorCode::NotFound,
+                    "the conversation stopped while attaching; attach again",
+                    &activated.id,
+                ),
+            }
             return;
         }
         self.attachments.insert(

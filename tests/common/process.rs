@@ -144,8 +144,18 @@ impl ServerProcess {
 
 /// `linger serve` on `listen` with its store (and config file) in `store`.
 fn serve_command(store: &Path, listen: &str, extra_toml: &str) -> Command {
-    let config = store.join("linger-test.toml");
     std::fs::create_dir_all(store).unwrap();
+    serve_command_configured_in(store, store, listen, extra_toml)
+}
+
+/// `linger serve` with its config file written in `config_dir`.
+fn serve_command_configured_in(
+    config_dir: &Path,
+    store: &Path,
+    listen: &str,
+    extra_toml: &str,
+) -> Command {
+    let config = config_dir.join("linger-test.toml");
     let text = format!(
         "[server]\nlisten = {listen:?}\n[store]\npath = {:?}\n{extra_toml}\n",
         store.display().to_string()
@@ -165,7 +175,9 @@ fn serve_command(store: &Path, listen: &str, extra_toml: &str) -> Command {
 /// Starts `linger serve` on `listen` with its store in `store`, expecting
 /// it to refuse: returns its exit status and stderr.
 pub fn serve_refused(store: &Path, listen: &str) -> (ExitStatus, String) {
-    let out = serve_command(store, listen, "")
+    // The config lives apart from the store, which may be unwritable.
+    let config_dir = tempfile::tempdir().unwrap();
+    let out = serve_command_configured_in(config_dir.path(), store, listen, "")
         .stderr(Stdio::piped())
         .output()
         .expect("run the linger binary");
