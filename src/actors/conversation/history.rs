@@ -58,6 +58,22 @@ impl State {
         );
     }
 
+    /// Replaces the replay buffer with the newest part of `tail` (stored
+    /// events, oldest first) that fits the byte cap.
+    pub(super) fn refill_buffer(&mut self, tail: Vec<Arc<EventRecord>>) {
+        self.buffer.clear();
+        self.buffer_bytes = 0;
+        for record in tail.into_iter().rev() {
+            if self.buffer_bytes + record.frame.len() > REPLAY_BUFFER_MAX_BYTES
+                && !self.buffer.is_empty()
+            {
+                break;
+            }
+            self.buffer_bytes += record.frame.len();
+            self.buffer.push_front(record);
+        }
+    }
+
     pub(super) fn on_committed(&mut self, myself: &ActorRef<ConversationMsg>, upto: u64) {
         let cap = self.config.conversations.replay_buffer_events;
         let mut new_events = Vec::new();

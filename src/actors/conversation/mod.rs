@@ -348,16 +348,7 @@ impl Actor for Conversation {
                 }
                 state.next_seq = meta.head_seq + 1;
                 state.committed = meta.head_seq;
-                // Keep the newest part of the tail that fits the byte cap.
-                for record in tail.into_iter().rev() {
-                    if state.buffer_bytes + record.frame.len() > REPLAY_BUFFER_MAX_BYTES
-                        && !state.buffer.is_empty()
-                    {
-                        break;
-                    }
-                    state.buffer_bytes += record.frame.len();
-                    state.buffer.push_front(record);
-                }
+                state.refill_buffer(tail);
                 state.queue.extend(queued);
                 state.seen_msg_ids.extend(client_msg_ids);
                 state.last_turn_message_seq = meta.last_turn_message_seq;

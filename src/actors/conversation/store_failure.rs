@@ -173,17 +173,7 @@ impl State {
         // every live connection catches up over them, so nobody has a gap.
         let previous = self.committed;
         if meta.head_seq != previous {
-            self.buffer.clear();
-            self.buffer_bytes = 0;
-            for record in snapshot.tail.iter().rev() {
-                if self.buffer_bytes + record.frame.len() > REPLAY_BUFFER_MAX_BYTES
-                    && !self.buffer.is_empty()
-                {
-                    break;
-                }
-                self.buffer_bytes += record.frame.len();
-                self.buffer.push_front(record.clone());
-            }
+            self.refill_buffer(snapshot.tail.clone());
         }
         self.committed = meta.head_seq;
         self.next_seq = meta.head_seq + 1;
