@@ -114,6 +114,19 @@ pub enum ConversationMsg {
     },
 }
 
+impl ConversationMsg {
+    /// For a client request that records an event (`message`,
+    /// `tool_result`, `stop`): who sent it, to answer it when it cannot be.
+    fn recording_request(&self) -> Option<(ConnId, Option<ReqId>)> {
+        match self {
+            ConversationMsg::UserMessage { conn, req, .. }
+            | ConversationMsg::ToolResult { conn, req, .. }
+            | ConversationMsg::StopTurn { conn, req } => Some((*conn, req.clone())),
+            _ => None,
+        }
+    }
+}
+
 /// The first reply an attaching connection gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Announce {
@@ -492,11 +505,8 @@ impl State {
     /// A stopping conversation records nothing more from clients: answer
     /// them as if it were already gone, so they attach again.
     fn refuse_while_stopping(&self, message: &ConversationMsg) -> bool {
-        let (conn, req) = match message {
-            ConversationMsg::UserMessage { conn, req, .. }
-            | ConversationMsg::ToolResult { conn, req, .. }
-            | ConversationMsg::StopTurn { conn, req } => (*conn, req.clone()),
-            _ => return false,
+        let Some((conn, req)) = message.recording_request() else {
+            return false;
         };
         self.reply_to(
             conn,

@@ -222,11 +222,8 @@ impl State {
     /// While the store cannot write, requests that would append are
     /// answered at once: nothing is recorded.
     pub(super) fn refuse_while_store_fails(&self, message: &ConversationMsg) -> bool {
-        let (conn, req) = match message {
-            ConversationMsg::UserMessage { conn, req, .. }
-            | ConversationMsg::ToolResult { conn, req, .. }
-            | ConversationMsg::StopTurn { conn, req } => (*conn, req.clone()),
-            _ => return false,
+        let Some((conn, req)) = message.recording_request() else {
+            return false;
         };
         let failure = self.store_failure.as_deref().unwrap_or("");
         self.refuse(
