@@ -210,7 +210,7 @@ impl Status {
 }
 
 /// Error codes of protocol §4.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, strum::VariantArray)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, strum::VariantArray)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     BadRequest,
@@ -236,6 +236,9 @@ pub enum DetachReason {
     Closed,
     Deleted,
     Shutdown,
+    /// Cluster mode: another node owns the conversation now; attach again
+    /// (any node) and resume.
+    Moved,
 }
 
 /// Why a conversation's agent stopped (`agent_stopped.reason`).
@@ -248,6 +251,8 @@ pub enum StopReason {
     Shutdown,
     RestartRecovery,
     Deleted,
+    /// Cluster mode: the node that ran it was lost; another node closed it.
+    NodeLost,
 }
 
 impl StopReason {
@@ -259,6 +264,7 @@ impl StopReason {
             StopReason::Shutdown => "shutdown",
             StopReason::RestartRecovery => "restart_recovery",
             StopReason::Deleted => "deleted",
+            StopReason::NodeLost => "node_lost",
         }
     }
 
@@ -269,6 +275,7 @@ impl StopReason {
             StopReason::UserLimit => DetachReason::UserLimit,
             StopReason::Deleted => DetachReason::Deleted,
             StopReason::Shutdown | StopReason::RestartRecovery => DetachReason::Shutdown,
+            StopReason::NodeLost => DetachReason::Moved,
             StopReason::Closed | StopReason::Idle => DetachReason::Closed,
         }
     }

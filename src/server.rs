@@ -19,7 +19,8 @@ use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::agent::command::CommandAgent;
 use crate::agent::demo::DemoAgent;
 use crate::agent::Agent;
-use crate::config::{AgentKind, Config};
+use crate::cluster::node::ClusterNode;
+use crate::config::{AgentKind, ClusterMode, Config};
 use crate::gateway::auth::Authenticator;
 use crate::gateway::{self, AppState};
 use crate::store::lock::StoreLock;
@@ -49,6 +50,8 @@ pub enum StartError {
     Auth(String),
     #[error("supervisor: {0}")]
     Supervisor(String),
+    #[error("cluster mode: {0}")]
+    Cluster(#[from] crate::cluster::ClusterError),
 }
 
 /// What to do about a port that is taken.
@@ -94,8 +97,13 @@ pub struct Server {
     prune: JoinHandle<()>,
     probe: JoinHandle<()>,
     agent: Arc<dyn Agent>,
+    /// Cluster mode: lease renewal, serving other nodes, the watch for lost
+    /// nodes' conversations; they run until the conversations are stopped.
+    cluster_tasks: Vec<JoinHandle<()>>,
     /// Held until the process exits: the store is this server's alone.
-    _lock: StoreLock,
+    /// (Cluster mode: none; `store.path` holds only workspaces, which nodes
+    /// may share.)
+    _lock: Option<StoreLock>,
 }
 
 /// Deletes history older than `store.retain`, now and then, in the
@@ -161,7 +169,16 @@ impl Server {
         // The store is ours before anything in it is read or written, and
         // the port before recovery writes a word: a second server on this
         // store, or on a taken port, changes nothing.
-        let mut lock = StoreLock::acquire(&path)?;
+        let cluster_mode = config.cluster.mode == ClusterMode::Nats;
+        let mut lock = if cluster_mode {
+            std::fs::create_dir_all(&path).map_err(|e| StartError::Store {
+                path: path.display().to_string(),
+                source: crate::store::StoreError::Unavailable(e.to_string()),
+            })?;
+            None
+        } else {
+            Some(StoreLock::acquire(&path)?)
+        };
         let listener = listen(config.server.listen).map_err(|source| StartError::Listen {
             addr: config.server.listen,
             source,
@@ -170,21 +187,36 @@ impl Server {
             addr: config.server.listen,
             source,
         })?;
-        if let Err(e) = lock.describe_holder(Some(addr)) {
-            warn!(error = %e, lock = %lock.path().display(), "cannot write the store lock's holder");
+        if let Some(lock) = lock.as_mut() {
+            if let Err(e) = lock.describe_holder(Some(addr)) {
+                warn!(error = %e, lock = %lock.path().display(), "cannot write the store lock's holder");
+            }
         }
         let store_err = |source| StartError::Store {
             path: path.display().to_string(),
             source,
         };
-        let store: Arc<dyn Store> = wrap(Arc::new(SqliteStore::open(&path).map_err(store_err)?));
-        let recovered = crate::recovery::recover(&store).await.map_err(store_err)?;
-        if recovered > 0 {
-            info!(
-                recovered,
-                "closed conversations interrupted by the last stop"
-            );
-        }
+        let cluster = if cluster_mode {
+            Some(Arc::new(ClusterNode::start(&config).await?))
+        } else {
+            None
+        };
+        let store: Arc<dyn Store> = match &cluster {
+            // A lost node's conversations are closed by whichever node
+            // claims them (`node_lost`), not by a start-up pass here.
+            Some(node) => wrap(Arc::new(node.store.clone())),
+            None => {
+                let store = wrap(Arc::new(SqliteStore::open(&path).map_err(store_err)?));
+                let recovered = crate::recovery::recover(&store).await.map_err(store_err)?;
+                if recovered > 0 {
+                    info!(
+                        recovered,
+                        "closed conversations interrupted by the last stop"
+                    );
+                }
+                store
+            }
+        };
         let prune = tokio::spawn(prune_loop(store.clone(), config.store.retain));
         let probe = tokio::spawn(probe_loop(store.clone()));
         let agent = build_agent(&config)?;
@@ -196,10 +228,16 @@ impl Server {
                 config: config.clone(),
                 store: store.clone(),
                 agent: agent.clone(),
+                cluster: cluster.clone(),
             },
         )
         .await
         .map_err(|e| StartError::Supervisor(e.to_string()))?;
+        let next_connection = Arc::new(AtomicU64::new(1));
+        let cluster_tasks = match &cluster {
+            Some(node) => node.run(supervisor.clone(), config.clone(), next_connection.clone()),
+            None => Vec::new(),
+        };
 
         let accept_stop = CancellationToken::new();
         let sockets_stop = CancellationToken::new();
@@ -210,7 +248,8 @@ impl Server {
             supervisor: supervisor.clone(),
             shutdown: sockets_stop.clone(),
             sockets: sockets.clone(),
-            next_connection: Arc::new(AtomicU64::new(1)),
+            next_connection,
+            node: cluster.as_ref().map(|c| Arc::from(c.node.as_str())),
             connections: Default::default(),
             auth: Arc::new(auth),
         });
@@ -244,6 +283,7 @@ impl Server {
             prune,
             probe,
             agent,
+            cluster_tasks,
             _lock: lock,
         })
     }
@@ -285,6 +325,9 @@ impl Server {
         self.sockets_stop.cancel();
         self.prune.abort();
         self.probe.abort();
+        for task in &self.cluster_tasks {
+            task.abort();
+        }
         self.supervisor.stop(None);
         let _ = tokio::time::timeout(Duration::from_secs(2), self.http).await;
         info!("shutdown complete");

@@ -405,6 +405,7 @@ impl State {
                     id: id.clone(),
                     user,
                     mode,
+                    local_only: false,
                     reply,
                 },
                 Some(CALL_TIMEOUT),

@@ -76,4 +76,14 @@ impl ConversationGauge {
     pub fn last_activity(&self) -> u64 {
         self.last_activity.load(Ordering::Relaxed)
     }
+
+    /// The last activity as Unix time in microseconds, to compare with
+    /// other nodes' (cluster mode).
+    pub fn last_activity_unix_us(&self) -> u64 {
+        let ago = (epoch().elapsed().as_micros() as u64).saturating_sub(self.last_activity());
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        now.saturating_sub(ago)
+    }
 }

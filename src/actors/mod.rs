@@ -4,6 +4,7 @@
 
 pub mod connection;
 pub mod conversation;
+pub mod eviction;
 pub mod gauge;
 pub mod outbound;
 pub mod replay;

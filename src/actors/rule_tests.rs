@@ -42,6 +42,7 @@ async fn node(tweak: impl FnOnce(&mut Config)) -> Node {
             config: config.clone(),
             store: store.clone() as Arc<dyn Store>,
             agent: Arc::new(DemoAgent),
+            cluster: None,
         },
     )
     .await

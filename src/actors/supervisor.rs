@@ -16,8 +16,14 @@ use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, Supervi
 use tracing::{error, info, warn};
 
 use super::conversation::{Conversation, ConversationArgs, ConversationMsg, Origin};
+use super::eviction::{self, Candidate};
 use super::gauge::ConversationGauge;
 use crate::agent::Agent;
+use crate::cluster::lease::Activity;
+use crate::cluster::node::ClusterNode;
+use crate::cluster::ownership::Claim;
+use crate::cluster::remote::proxy::{stop_on_owner, ProxyArgs, RemoteConversation};
+use crate::cluster::remote::wire::StopKind;
 use crate::config::{Config, OnLimit};
 use crate::event::StartReason;
 use crate::metrics as m;
@@ -35,6 +41,10 @@ pub enum ActivateError {
     LimitReached { max: usize },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// Cluster mode, for an activation that must be local (a request from
+    /// another node): this node does not run the conversation.
+    #[error("the conversation runs on another node; attach again")]
+    Elsewhere,
     #[error("{0}")]
     Store(#[from] StoreError),
     #[error("internal error: {0}")]
@@ -44,7 +54,7 @@ pub enum ActivateError {
 impl ActivateError {
     pub fn code(&self) -> ErrorCode {
         match self {
-            ActivateError::NotFound => ErrorCode::NotFound,
+            ActivateError::NotFound | ActivateError::Elsewhere => ErrorCode::NotFound,
             ActivateError::ObserveOnly => ErrorCode::ReadOnly,
             ActivateError::LimitReached { .. } => ErrorCode::LimitReached,
             ActivateError::Store(e) if e.is_unavailable() => ErrorCode::StoreUnavailable,
@@ -106,6 +116,31 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub type ActivateReply = RpcReplyPort<Result<Activated, ActivateError>>;
 
+/// What an activation found.
+pub enum Found {
+    /// This node owns the conversation (single mode: always); `others`
+    /// are its user's active conversations on other nodes (cluster mode).
+    Here {
+        snapshot: Box<Snapshot>,
+        others: Vec<Activity>,
+    },
+    /// Cluster mode: another node runs it.
+    Elsewhere {
+        meta: Box<crate::store::ConversationMeta>,
+        node: String,
+    },
+}
+
+/// A creation, as asked.
+pub struct Creation {
+    id: Arc<str>,
+    user: Arc<str>,
+    title: String,
+    close_delay: Option<Duration>,
+    reason: StartReason,
+    reply: ActivateReply,
+}
+
 pub enum SupervisorMsg {
     /// Made by [`create_conversation`], which has already made its workspace.
     Create {
@@ -120,11 +155,35 @@ pub enum SupervisorMsg {
         id: String,
         user: Arc<str>,
         mode: Mode,
+        /// Only a conversation this node runs (a request from another
+        /// node must not be proxied back).
+        local_only: bool,
         reply: ActivateReply,
     },
     Loaded {
         id: Arc<str>,
-        result: Result<Option<Box<Snapshot>>, StoreError>,
+        result: Result<Option<Found>, StoreError>,
+    },
+    /// Cluster mode: [`create_conversation`]'s claim on a new id is done.
+    Claimed {
+        create: Box<Creation>,
+        /// The user's active conversations on other nodes.
+        result: Result<Vec<Activity>, StoreError>,
+    },
+    /// Cluster mode: a conversation whose owner may be gone (its lease
+    /// expired, or nobody holds it while it is stored as active): claim it
+    /// and close it with `node_lost` unless another node does.
+    Recover {
+        id: String,
+    },
+    /// The outcome of a `Recover`.
+    Recovered {
+        id: Arc<str>,
+        result: Result<(), StoreError>,
+    },
+    /// Cluster mode: this node's lease on a conversation was lost.
+    LeaseLost {
+        id: String,
     },
     /// Stops a conversation if it is active; replies once it has stopped.
     Stop {
@@ -173,6 +232,8 @@ pub struct SupervisorArgs {
     pub config: Arc<Config>,
     pub store: Arc<dyn Store>,
     pub agent: Arc<dyn Agent>,
+    /// Cluster mode: this node's part in the cluster.
+    pub cluster: Option<Arc<ClusterNode>>,
 }
 
 pub struct Supervisor;
@@ -189,6 +250,7 @@ struct Entry {
 struct Waiter {
     user: Arc<str>,
     mode: Mode,
+    local_only: bool,
     reply: ActivateReply,
 }
 
@@ -209,6 +271,14 @@ pub struct State {
     shutdown: Option<Vec<RpcReplyPort<()>>>,
     /// When the gauges were last published.
     metrics_published: Option<Instant>,
+    cluster: Option<Arc<ClusterNode>>,
+    /// Cluster mode: stand-ins for conversations other nodes run, with
+    /// the owner each reaches.
+    proxies: HashMap<Arc<str>, (ActorRef<ConversationMsg>, String)>,
+    proxy_ids: HashMap<ActorId, Arc<str>>,
+    /// Cluster mode: conversations being claimed and closed for a lost
+    /// node, with the activations that wait for that.
+    recovering: HashMap<Arc<str>, Vec<Waiter>>,
 }
 
 impl Actor for Supervisor {
@@ -235,6 +305,10 @@ impl Actor for Supervisor {
             deleting: HashMap::new(),
             shutdown: None,
             metrics_published: None,
+            cluster: args.cluster,
+            proxies: HashMap::new(),
+            proxy_ids: HashMap::new(),
+            recovering: HashMap::new(),
         })
     }
 
@@ -253,21 +327,76 @@ impl Actor for Supervisor {
                 reason,
                 reply,
             } => {
-                let result = state
-                    .create(&myself, id, user, title, close_delay, reason)
-                    .await;
-                let _ = reply.send(result);
+                let create = Box::new(Creation {
+                    id,
+                    user,
+                    title,
+                    close_delay,
+                    reason,
+                    reply,
+                });
+                match &state.cluster {
+                    // The new id is claimed first (lease and fence), in a
+                    // task: the supervisor never waits on NATS.
+                    Some(cluster) => {
+                        let cluster = cluster.clone();
+                        let me = myself.clone();
+                        tokio::spawn(async move {
+                            let result = claim_new(&cluster, &create.id, &create.user).await;
+                            let _ = me.cast(SupervisorMsg::Claimed { create, result });
+                        });
+                    }
+                    None => state.create_claimed(&myself, create, Vec::new()).await,
+                }
             }
+            SupervisorMsg::Claimed { create, result } => match result {
+                Ok(others) => state.create_claimed(&myself, create, others).await,
+                Err(e) => {
+                    let _ = create.reply.send(Err(ActivateError::Store(e)));
+                }
+            },
             SupervisorMsg::Activate {
                 id,
                 user,
                 mode,
+                local_only,
                 reply,
-            } => state.activate(&myself, id, Waiter { user, mode, reply }),
+            } => state.activate(
+                &myself,
+                id,
+                Waiter {
+                    user,
+                    mode,
+                    local_only,
+                    reply,
+                },
+            ),
+            SupervisorMsg::Recover { id } => state.recover(&myself, Arc::from(id)),
+            SupervisorMsg::Recovered { id, result } => state.recovered(&myself, id, result),
+            SupervisorMsg::LeaseLost { id } => {
+                if let Some(entry) = state.active.get_mut(id.as_str()) {
+                    entry.stopping.get_or_insert(StopReason::NodeLost);
+                    let _ = entry.actor.cast(ConversationMsg::Moved);
+                }
+            }
             SupervisorMsg::Loaded { id, result } => state.loaded(&myself, id, result).await,
             SupervisorMsg::Stop { id, reason, reply } => {
                 let id: Arc<str> = Arc::from(id);
-                if state.active.contains_key(&id) {
+                if let (Some((_, owner)), Some(cluster)) = (state.proxies.get(&id), &state.cluster)
+                {
+                    // Run by another node: it stops it there.
+                    let kind = match reason {
+                        StopReason::Deleted => StopKind::Deleted,
+                        _ => StopKind::Closed,
+                    };
+                    let (cluster, owner) = (cluster.clone(), owner.clone());
+                    tokio::spawn(async move {
+                        stop_on_owner(&cluster.client, &cluster.subjects, &owner, &id, kind).await;
+                        if let Some(reply) = reply {
+                            let _ = reply.send(());
+                        }
+                    });
+                } else if state.active.contains_key(&id) {
                     if let Some(reply) = reply {
                         state
                             .stop_waiters
@@ -322,7 +451,17 @@ impl Actor for Supervisor {
                 for id in ids {
                     state.stop(&id, StopReason::Shutdown, "shutdown");
                 }
-                for (_, waiters) in state.loading.drain().chain(state.after_stop.drain()) {
+                for (proxy, _) in state.proxies.values() {
+                    let _ = proxy.cast(ConversationMsg::Shutdown {
+                        reason: StopReason::Shutdown,
+                    });
+                }
+                for (_, waiters) in state
+                    .loading
+                    .drain()
+                    .chain(state.after_stop.drain())
+                    .chain(state.recovering.drain())
+                {
                     for waiter in waiters {
                         let _ = waiter.reply.send(Err(ActivateError::ShuttingDown));
                     }
@@ -351,9 +490,11 @@ impl Actor for Supervisor {
                 }
             }
             SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                state.proxy_gone(cell.get_id());
                 state.child_gone(&myself, cell.get_id(), reason, None);
             }
             SupervisionEvent::ActorFailed(cell, err) => {
+                state.proxy_gone(cell.get_id());
                 state.child_gone(&myself, cell.get_id(), None, Some(err.to_string()));
             }
             SupervisionEvent::ProcessGroupChanged(_) => {}
@@ -379,25 +520,106 @@ impl State {
             .count()
     }
 
-    async fn create(
+    /// Creates a conversation whose id is this node's (cluster mode: its
+    /// lease is held and its fence written).
+    async fn create_claimed(
         &mut self,
         myself: &ActorRef<SupervisorMsg>,
-        id: Arc<str>,
-        user: Arc<str>,
-        title: String,
-        close_delay: Option<Duration>,
-        reason: StartReason,
-    ) -> Result<Activated, ActivateError> {
-        if self.shutdown.is_some() {
-            return Err(ActivateError::ShuttingDown);
-        }
-        self.make_room(&user, None)?;
-        let origin = Origin::New {
+        create: Box<Creation>,
+        claimed_others: Vec<Activity>,
+    ) {
+        let Creation {
+            id,
+            user,
             title,
             close_delay,
             reason,
+            reply,
+        } = *create;
+        let others = claimed_others;
+        let result = if self.shutdown.is_some() {
+            Err(ActivateError::ShuttingDown)
+        } else {
+            match self.make_room(&user, None, others) {
+                Ok(()) => {
+                    let origin = Origin::New {
+                        title,
+                        close_delay,
+                        reason,
+                    };
+                    self.spawn(myself, id.clone(), user, Vec::new(), origin)
+                        .await
+                }
+                Err(e) => Err(e),
+            }
         };
-        self.spawn(myself, id, user, Vec::new(), origin).await
+        if result.is_err() {
+            self.release(&id);
+        }
+        let _ = reply.send(result);
+    }
+
+    /// Cluster mode: gives up this node's lease on a conversation that
+    /// does not run here (any more).
+    fn release(&self, id: &Arc<str>) {
+        if let Some(cluster) = &self.cluster {
+            if let Some(lease) = cluster.ownership.forget(id) {
+                let ownership = cluster.ownership.clone();
+                tokio::spawn(async move { ownership.give_back(lease).await });
+            }
+        }
+    }
+
+    fn proxy_gone(&mut self, actor: ActorId) {
+        if let Some(id) = self.proxy_ids.remove(&actor) {
+            if self
+                .proxies
+                .get(&id)
+                .is_some_and(|(p, _)| p.get_id() == actor)
+            {
+                self.proxies.remove(&id);
+            }
+        }
+    }
+
+    /// Cluster mode: a conversation whose owner may be gone.
+    fn recover(&mut self, myself: &ActorRef<SupervisorMsg>, id: Arc<str>) {
+        let Some(cluster) = self.cluster.clone() else {
+            return;
+        };
+        if self.shutdown.is_some()
+            || self.active.contains_key(&id)
+            || self.loading.contains_key(&id)
+            || self.recovering.contains_key(&id)
+            || self.deleting.contains_key(&id)
+        {
+            return;
+        }
+        self.recovering.insert(id.clone(), Vec::new());
+        let store = self.store.clone();
+        let me = myself.clone();
+        tokio::spawn(async move {
+            let result = close_for_lost_node(&cluster, &store, &id, false).await;
+            let _ = me.cast(SupervisorMsg::Recovered { id, result });
+        });
+    }
+
+    fn recovered(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        id: Arc<str>,
+        result: Result<(), StoreError>,
+    ) {
+        let waiters = self.recovering.remove(&id).unwrap_or_default();
+        if let Err(e) = &result {
+            warn!(conversation = %id, error = %e, "closing a lost node's conversation failed; retried at the next scan");
+        }
+        if waiters.is_empty() {
+            self.release(&id);
+        }
+        for waiter in waiters {
+            self.load(myself, id.clone(), waiter);
+        }
     }
 
     async fn spawn(
@@ -427,6 +649,9 @@ impl State {
                 ActivateError::Internal(e.to_string())
             })?;
         self.by_actor.insert(actor.get_id(), id.clone());
+        if let Some(cluster) = &self.cluster {
+            cluster.ownership.track(&id, user.clone(), gauge.clone());
+        }
         self.active.insert(
             id.clone(),
             Entry {
@@ -444,6 +669,15 @@ impl State {
     }
 
     fn activate(&mut self, myself: &ActorRef<SupervisorMsg>, id: String, waiter: Waiter) {
+        let id_for_checks = id.as_str();
+        if waiter.local_only
+            && !self.active.contains_key(id_for_checks)
+            && !self.loading.contains_key(id_for_checks)
+            && !self.recovering.contains_key(id_for_checks)
+        {
+            let _ = waiter.reply.send(Err(ActivateError::Elsewhere));
+            return;
+        }
         if self.shutdown.is_some() {
             let _ = waiter.reply.send(Err(ActivateError::ShuttingDown));
             return;
@@ -465,6 +699,10 @@ impl State {
             let _ = waiter.reply.send(result);
             return;
         }
+        if let Some(waiters) = self.recovering.get_mut(&id) {
+            waiters.push(waiter);
+            return;
+        }
         self.load(myself, id, waiter);
     }
 
@@ -477,8 +715,17 @@ impl State {
         let store = self.store.clone();
         let tail = self.config.conversations.replay_buffer_events;
         let me = myself.clone();
+        let cluster = self.cluster.clone();
         tokio::spawn(async move {
-            let result = store.snapshot(&id, tail).await.map(|s| s.map(Box::new));
+            let result = match &cluster {
+                Some(cluster) => load_in_cluster(cluster, &store, &id, tail).await,
+                None => store.snapshot(&id, tail).await.map(|s| {
+                    s.map(|s| Found::Here {
+                        snapshot: Box::new(s),
+                        others: Vec::new(),
+                    })
+                }),
+            };
             let _ = me.cast(SupervisorMsg::Loaded { id, result });
         });
     }
@@ -487,11 +734,32 @@ impl State {
         &mut self,
         myself: &ActorRef<SupervisorMsg>,
         id: Arc<str>,
-        result: Result<Option<Box<Snapshot>>, StoreError>,
+        result: Result<Option<Found>, StoreError>,
     ) {
         let Some(waiters) = self.loading.remove(&id) else {
             return;
         };
+        let mut others = Vec::new();
+        let (snapshot_result, elsewhere) = match result {
+            Ok(Some(Found::Elsewhere { meta, node })) => (Ok(None), Some((meta, node))),
+            Ok(Some(Found::Here {
+                snapshot,
+                others: theirs,
+            })) => {
+                others = theirs;
+                (Ok(Some(snapshot)), None)
+            }
+            Ok(None) => (Ok(None), None),
+            Err(e) => (Err(e), None),
+        };
+        if let Some((meta, node)) = elsewhere {
+            self.reach_elsewhere(myself, id, waiters, &meta, node).await;
+            return;
+        }
+        let result = snapshot_result;
+        if !matches!(result, Ok(Some(_))) {
+            self.release(&id);
+        }
         if self.deleting.contains_key(&id) {
             for w in waiters {
                 let _ = w.reply.send(Err(ActivateError::NotFound));
@@ -530,12 +798,12 @@ impl State {
             return;
         }
         let room = if allowed.iter().any(|w| *w.user == *owner) {
-            self.make_room(&owner, Some(&id))
+            self.make_room(&owner, Some(&id), others)
         } else {
             // Observers only read: they never stop one of the owner's
             // conversations to make room.
             let max = self.config.conversations.max_per_user;
-            if max > 0 && self.active_count(&owner) >= max {
+            if max > 0 && self.active_count(&owner) + others.len() >= max {
                 Err(ActivateError::LimitReached { max })
             } else {
                 Ok(())
@@ -551,52 +819,151 @@ impl State {
             snapshot,
             reason: StartReason::Attach,
         };
-        let result = self.spawn(myself, id, owner, observers, origin).await;
+        let result = self
+            .spawn(myself, id.clone(), owner, observers, origin)
+            .await;
+        if result.is_err() {
+            self.release(&id);
+        }
+        for w in allowed {
+            let _ = w.reply.send(result.clone());
+        }
+    }
+
+    /// Cluster mode: answers activations of a conversation another node
+    /// runs with this node's stand-in for it (one per conversation and
+    /// owner).
+    async fn reach_elsewhere(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        id: Arc<str>,
+        waiters: Vec<Waiter>,
+        meta: &crate::store::ConversationMeta,
+        node: String,
+    ) {
+        let Some(cluster) = self.cluster.clone() else {
+            return;
+        };
+        let mut allowed = Vec::new();
+        for w in waiters {
+            if w.local_only {
+                let _ = w.reply.send(Err(ActivateError::Elsewhere));
+                continue;
+            }
+            match permission(&meta.user, &meta.observers, &w) {
+                Ok(()) => allowed.push(w),
+                Err(e) => {
+                    let _ = w.reply.send(Err(e));
+                }
+            }
+        }
+        if allowed.is_empty() {
+            return;
+        }
+        let proxy = match self.proxies.get(&id) {
+            Some((proxy, owner)) if *owner == node => Ok(proxy.clone()),
+            _ => {
+                let args = ProxyArgs {
+                    id: id.clone(),
+                    owner: node.clone(),
+                    node: cluster.node.clone(),
+                    client: cluster.client.clone(),
+                    subjects: cluster.subjects.clone(),
+                    leases: cluster.ownership.leases().clone(),
+                    lease_ttl: self.config.cluster.lease_ttl,
+                };
+                match Actor::spawn_linked(None, RemoteConversation, args, myself.get_cell()).await {
+                    Ok((proxy, _)) => {
+                        self.proxy_ids.insert(proxy.get_id(), id.clone());
+                        self.proxies.insert(id.clone(), (proxy.clone(), node));
+                        Ok(proxy)
+                    }
+                    Err(e) => Err(ActivateError::Internal(e.to_string())),
+                }
+            }
+        };
+        let result = proxy.map(|actor| Activated {
+            id: id.clone(),
+            actor,
+        });
         for w in allowed {
             let _ = w.reply.send(result.clone());
         }
     }
 
     /// Makes room for one more active conversation of `user`: with
-    /// `on_limit = "evict"`, stops the one chosen by protocol §6; with
-    /// `"reject"`, refuses.
+    /// `on_limit = "evict"`, stops the one chosen by protocol §6 (in cluster
+    /// mode possibly one another node runs, from `others`: that node stops
+    /// it); with `"reject"`, refuses.
     fn make_room(
         &mut self,
         user: &Arc<str>,
         activating: Option<&Arc<str>>,
+        others: Vec<Activity>,
     ) -> Result<(), ActivateError> {
         let max = self.config.conversations.max_per_user;
         if max == 0 {
             return Ok(());
         }
-        while self.active_count(user) >= max {
+        let mut others: Vec<Candidate> = others
+            .into_iter()
+            .filter(|a| activating.is_none_or(|id| **id != *a.conversation))
+            .map(|a| Candidate {
+                id: Arc::from(a.conversation.as_str()),
+                running: a.running,
+                attached: a.attached,
+                last_activity_us: a.last_activity_us,
+                node: Some(a.node),
+            })
+            .collect();
+        while self.active_count(user) + others.len() >= max {
+            let active_for_user = self.active_count(user) + others.len();
             if self.config.conversations.on_limit == OnLimit::Reject {
                 info!(user = %user, rule = "user_limit", decision = "reject",
-                    active_for_user = self.active_count(user), max_per_user = max,
+                    active_for_user, max_per_user = max,
                     "activation refused: the user is at the limit");
                 return Err(ActivateError::LimitReached { max });
             }
-            let victim = self
+            let mut candidates: Vec<Candidate> = self
                 .active
                 .iter()
                 .filter(|(id, e)| {
                     e.user == *user && e.stopping.is_none() && Some(*id) != activating
                 })
-                .map(|(id, e)| (eviction_class(e), e.gauge.last_activity(), id.clone()))
-                .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
-            let Some((class, _, victim)) = victim else {
+                .map(|(id, e)| Candidate {
+                    id: id.clone(),
+                    running: matches!(e.gauge.status(), Status::Running | Status::Waiting),
+                    attached: e.gauge.attached() > 0,
+                    last_activity_us: e.gauge.last_activity_unix_us(),
+                    node: None,
+                })
+                .collect();
+            candidates.extend(others.iter().cloned());
+            let Some(victim) = eviction::victim(&candidates).cloned() else {
                 return Err(ActivateError::LimitReached { max });
             };
-            let (status, attached) = self
-                .active
-                .get(&victim)
-                .map(|e| (e.gauge.status(), e.gauge.attached()))
-                .unwrap_or((Status::Stopped, 0));
-            info!(conversation = %victim, user = %user, rule = "user_limit", reason = "user_limit",
-                class = CLASS_NAMES[class as usize], status = status.as_str(), attached,
-                active_for_user = self.active_count(user), max_per_user = max,
+            info!(conversation = %victim.id, user = %user, rule = "user_limit", reason = "user_limit",
+                class = victim.class_name(), running = victim.running, attached = victim.attached,
+                node = victim.node.as_deref().unwrap_or("here"),
+                active_for_user, max_per_user = max,
                 "evicting the least recently active conversation");
-            self.stop(&victim, StopReason::UserLimit, "user_limit");
+            match (&victim.node, &self.cluster) {
+                (Some(node), Some(cluster)) => {
+                    others.retain(|o| o.id != victim.id);
+                    let (cluster, node) = (cluster.clone(), node.clone());
+                    tokio::spawn(async move {
+                        stop_on_owner(
+                            &cluster.client,
+                            &cluster.subjects,
+                            &node,
+                            &victim.id,
+                            StopKind::UserLimit,
+                        )
+                        .await;
+                    });
+                }
+                _ => self.stop(&victim.id, StopReason::UserLimit, "user_limit"),
+            }
         }
         Ok(())
     }
@@ -659,6 +1026,10 @@ impl State {
         for reply in self.stop_waiters.remove(&id).unwrap_or_default() {
             let _ = reply.send(());
         }
+        // Reactivated at once, the lease is kept for the next actor.
+        if !self.after_stop.contains_key(&id) {
+            self.release(&id);
+        }
         if self.deleting.contains_key(&id) {
             for waiter in self.after_stop.remove(&id).unwrap_or_default() {
                 let _ = waiter.reply.send(Err(ActivateError::NotFound));
@@ -698,7 +1069,24 @@ impl State {
         let store = self.store.clone();
         let workspace = self.workspace(&id);
         let me = myself.clone();
+        let cluster = self.cluster.clone();
         tokio::spawn(async move {
+            if let Some(cluster) = &cluster {
+                // Run by another node: stopped there first, so that it
+                // writes nothing after the history is gone.
+                if let Ok(Some(holder)) = cluster.ownership.leases().holder(&id).await {
+                    if holder.node != cluster.node {
+                        stop_on_owner(
+                            &cluster.client,
+                            &cluster.subjects,
+                            &holder.node,
+                            &id,
+                            StopKind::Deleted,
+                        )
+                        .await;
+                    }
+                }
+            }
             let mut result = store.delete(&id).await;
             if result.is_ok() {
                 match tokio::fs::remove_dir_all(&workspace).await {
@@ -748,25 +1136,6 @@ impl State {
     }
 }
 
-const CLASS_NAMES: [&str; 4] = [
-    "idle_detached",
-    "idle_attached",
-    "running_detached",
-    "running_attached",
-];
-
-/// The eviction class of protocol §6: lower goes first.
-fn eviction_class(entry: &Entry) -> u8 {
-    let running = matches!(entry.gauge.status(), Status::Running | Status::Waiting);
-    let attached = entry.gauge.attached() > 0;
-    match (running, attached) {
-        (false, false) => 0,
-        (false, true) => 1,
-        (true, false) => 2,
-        (true, true) => 3,
-    }
-}
-
 /// May this waiter attach? Another user's conversation does not exist for
 /// them; an observer may only observe.
 fn permission(owner: &str, observers: &[String], waiter: &Waiter) -> Result<(), ActivateError> {
@@ -780,4 +1149,76 @@ fn permission(owner: &str, observers: &[String], waiter: &Waiter) -> Result<(), 
     } else {
         Err(ActivateError::NotFound)
     }
+}
+
+/// Cluster mode: reads a conversation to activate it, claiming it first.
+/// Another live node's conversation is reached there; one whose owner died
+/// without closing it is closed here (`node_lost`) before it runs again.
+async fn load_in_cluster(
+    cluster: &ClusterNode,
+    store: &Arc<dyn Store>,
+    id: &str,
+    tail: usize,
+) -> Result<Option<Found>, StoreError> {
+    let Some(meta) = store.get(id).await? else {
+        return Ok(None);
+    };
+    // Counted before claiming: a refused activation leaves no trace.
+    let others = cluster.ownership.others_of(&meta.user).await?;
+    if let Claim::Elsewhere(node) = cluster.ownership.claim(id).await? {
+        return Ok(Some(Found::Elsewhere {
+            meta: Box::new(meta),
+            node,
+        }));
+    }
+    close_for_lost_node(cluster, store, id, true).await?;
+    Ok(store.snapshot(id, tail).await?.map(|s| Found::Here {
+        snapshot: Box::new(s),
+        others,
+    }))
+}
+
+/// Cluster mode: claims a new conversation's id for this node; returns its
+/// user's active conversations on the other nodes.
+async fn claim_new(
+    cluster: &ClusterNode,
+    id: &str,
+    user: &str,
+) -> Result<Vec<Activity>, StoreError> {
+    let others = cluster.ownership.others_of(user).await?;
+    match cluster.ownership.claim(id).await? {
+        Claim::Owned => Ok(others),
+        Claim::Elsewhere(node) => Err(StoreError::Backend(format!(
+            "a new conversation id is already held by node {node}"
+        ))),
+    }
+}
+
+/// Cluster mode: claims a conversation (unless `claimed` already) and, if it is
+/// stored as active while nobody runs it, records that its node was lost.
+async fn close_for_lost_node(
+    cluster: &ClusterNode,
+    store: &Arc<dyn Store>,
+    id: &str,
+    claimed: bool,
+) -> Result<(), StoreError> {
+    if !claimed {
+        match store.get(id).await? {
+            Some(meta) if meta.status != Status::Stopped => {}
+            _ => return Ok(()),
+        }
+        if let Claim::Elsewhere(_) = cluster.ownership.claim(id).await? {
+            return Ok(());
+        }
+    }
+    // The snapshot's head is the log's (the summary may lag one append).
+    let Some(snapshot) = store.snapshot(id, 0).await? else {
+        return Ok(());
+    };
+    if snapshot.meta.status == Status::Stopped {
+        return Ok(());
+    }
+    crate::recovery::close(store, &snapshot.meta, StopReason::NodeLost)
+        .await
+        .map_err(|_| StoreError::Closed)?
 }

@@ -17,11 +17,13 @@
 //! expired lease leaves no term behind, and the log is what the fence
 //! checks. A lease never authorizes an append; the fence does ([`super::log`]).
 //!
-//! Cluster-wide per-user counts (later): a second bucket with a key per
-//! active conversation, `u.<user>.<conversation>`, written with the lease
-//! and expiring with it; a user's count is the number of subjects matching
-//! `u.<user>.*` (stream info with a subject filter answers that from the
-//! server's subject index), and an eviction picks the oldest.
+//! Cluster-wide per-user counts: beside each lease, its holder keeps a key
+//! `u.<hex user>.<conversation>` in the same bucket with what eviction
+//! needs to know ([`Activity`]), rewritten at each renewal, so it expires
+//! with the lease. A user's active conversations are the subjects matching
+//! `u.<hex user>.*` (stream info with a subject filter answers that from
+//! the server's subject index), read one by one (a deleted key's marker
+//! also has a subject until it ages out).
 
 use async_nats::jetstream::kv::{self, CreateErrorKind, Operation, UpdateErrorKind};
 use futures_util::{Stream, StreamExt};
@@ -34,6 +36,22 @@ use super::{check_token, with_deadline, Cluster, ClusterError};
 pub struct Holder {
     pub node: String,
     pub term: u64,
+}
+
+/// What other nodes need to know to count and evict a user's
+/// conversation (protocol §6 classes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Activity {
+    pub conversation: String,
+    pub node: String,
+    pub running: bool,
+    pub attached: bool,
+    /// Unix time of the last activity, in microseconds.
+    pub last_activity_us: u64,
+}
+
+fn activity_key(user: &str, conversation: &str) -> String {
+    format!("u.{}.{conversation}", super::meta::user_token(user))
 }
 
 /// A lease this node holds.
@@ -190,6 +208,83 @@ impl Leases {
         }
     }
 
+    /// Publishes what eviction needs to know of a conversation this node
+    /// runs (with each renewal: it expires with the lease).
+    pub async fn put_activity(&self, user: &str, activity: &Activity) -> Result<(), ClusterError> {
+        check_token(&activity.conversation)?;
+        let value: bytes::Bytes = serde_json::to_vec(activity)
+            .map_err(|e| ClusterError::Corrupt(e.to_string()))?
+            .into();
+        let key = activity_key(user, &activity.conversation);
+        with_deadline(
+            self.cluster.options.op_timeout,
+            "publishing activity",
+            || async {
+                self.kv
+                    .put(&key, value.clone())
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| ClusterError::Unavailable(e.to_string()))
+            },
+        )
+        .await
+    }
+
+    /// Withdraws a conversation's activity (it stopped here).
+    pub async fn remove_activity(
+        &self,
+        user: &str,
+        conversation: &str,
+    ) -> Result<(), ClusterError> {
+        let key = activity_key(user, conversation);
+        with_deadline(
+            self.cluster.options.op_timeout,
+            "withdrawing activity",
+            || async {
+                self.kv
+                    .delete(&key)
+                    .await
+                    .map_err(|e| ClusterError::Unavailable(e.to_string()))
+            },
+        )
+        .await
+    }
+
+    /// A user's active conversations on every node, as their holders last
+    /// published them.
+    pub async fn user_activity(&self, user: &str) -> Result<Vec<Activity>, ClusterError> {
+        let pattern = format!("u.{}.*", super::meta::user_token(user));
+        let keys = super::kv_keys(
+            &self.kv,
+            &pattern,
+            self.cluster.options.op_timeout,
+            "listing a user's activity",
+        )
+        .await?;
+        let mut out = Vec::new();
+        for key in keys {
+            let key = key.as_str();
+            let value = with_deadline(
+                self.cluster.options.op_timeout,
+                "reading a user's activity",
+                || async {
+                    self.kv
+                        .get(key)
+                        .await
+                        .map_err(|e| ClusterError::Unavailable(e.to_string()))
+                },
+            )
+            .await?;
+            if let Some(value) = value {
+                match serde_json::from_slice::<Activity>(&value) {
+                    Ok(a) => out.push(a),
+                    Err(e) => return Err(ClusterError::Corrupt(format!("activity {key}: {e}"))),
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Conversations whose lease expired (its holder stopped renewing) from
     /// now on; a release is not an expiry. Ends when the watch breaks (the
     /// caller watches again after NATS trouble, and scans with `holder`).
@@ -205,7 +300,12 @@ impl Leases {
             .take_while(|e| std::future::ready(e.is_ok()))
             .filter_map(|e| {
                 std::future::ready(match e {
-                    Ok(entry) if entry.operation == Operation::Purge => Some(entry.key),
+                    // Activity keys (`u.…`) expire with their lease.
+                    Ok(entry)
+                        if entry.operation == Operation::Purge && !entry.key.contains('.') =>
+                    {
+                        Some(entry.key)
+                    }
                     _ => None,
                 })
             }))

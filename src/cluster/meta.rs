@@ -78,7 +78,7 @@ impl Stored {
 }
 
 /// Any text as a subject token: lower-case hex of its bytes.
-fn user_token(user: &str) -> String {
+pub(crate) fn user_token(user: &str) -> String {
     user.bytes().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -253,31 +253,21 @@ impl Summaries {
 
     /// The ids of a user's conversations (every user's for `None`).
     async fn ids(&self, user: Option<&str>) -> Result<Vec<String>, ClusterError> {
-        let prefix = &self.kv.prefix; // "$KV.<bucket>."
-        let filter = match user {
-            Some(u) => format!("{prefix}u.{}.*", user_token(u)),
-            None => format!("{prefix}c.*"),
+        let pattern = match user {
+            Some(u) => format!("u.{}.*", user_token(u)),
+            None => "c.*".to_owned(),
         };
-        with_deadline(
+        let keys = super::kv_keys(
+            &self.kv,
+            &pattern,
             self.cluster.options.op_timeout,
             "listing summaries",
-            || async {
-                let subjects: Vec<(String, usize)> = self
-                    .kv
-                    .stream
-                    .info_with_subjects(&filter)
-                    .await
-                    .map_err(|e| ClusterError::Unavailable(e.to_string()))?
-                    .try_collect()
-                    .await
-                    .map_err(|e| ClusterError::Unavailable(e.to_string()))?;
-                Ok(subjects
-                    .into_iter()
-                    .filter_map(|(s, _)| s.rsplit('.').next().map(str::to_owned))
-                    .collect())
-            },
         )
-        .await
+        .await?;
+        Ok(keys
+            .into_iter()
+            .filter_map(|k| k.rsplit('.').next().map(str::to_owned))
+            .collect())
     }
 
     /// Summaries of one user's conversations (or everyone's), newest

@@ -12,6 +12,12 @@
 //!   a KV bucket, with a per-user index.
 //! - [`store`]: [`store::NatsStore`], the [`crate::store::Store`] trait over
 //!   the three, plus ownership (take over, fence) as its extension.
+//! - [`ownership`]: claiming a conversation (lease, then fence), renewing
+//!   the leases, giving them back.
+//! - [`remote`]: attachments served by the owner to clients on other
+//!   nodes (node-to-node traffic over core NATS).
+//! - [`node`]: this node's part, put together, and the watch for
+//!   conversations of lost nodes.
 //!
 //! # Two mechanisms, two jobs
 //! The lease says which node *should* run a conversation and lets others
@@ -52,6 +58,9 @@ pub mod connect;
 pub mod lease;
 pub mod log;
 pub mod meta;
+pub mod node;
+pub mod ownership;
+pub mod remote;
 pub mod store;
 
 use std::time::Duration;
@@ -149,4 +158,31 @@ where
             other => return other,
         }
     }
+}
+
+/// The keys of a KV bucket matching `pattern` (e.g. `u.<hex user>.*`),
+/// from the stream's subject index: no scan of values. A deleted key's
+/// marker is listed too until it ages out, so callers read each key.
+pub(crate) async fn kv_keys(
+    kv: &async_nats::jetstream::kv::Store,
+    pattern: &str,
+    timeout: Duration,
+    what: &str,
+) -> Result<Vec<String>, ClusterError> {
+    use futures_util::TryStreamExt;
+    let filter = format!("{}{pattern}", kv.prefix);
+    let subjects: Vec<(String, usize)> = with_deadline(timeout, what, || async {
+        kv.stream
+            .info_with_subjects(&filter)
+            .await
+            .map_err(|e| ClusterError::Unavailable(e.to_string()))?
+            .try_collect()
+            .await
+            .map_err(|e| ClusterError::Unavailable(e.to_string()))
+    })
+    .await?;
+    Ok(subjects
+        .into_iter()
+        .filter_map(|(s, _)| s.strip_prefix(kv.prefix.as_str()).map(str::to_owned))
+        .collect())
 }

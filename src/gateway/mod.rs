@@ -37,6 +37,8 @@ pub struct AppState {
     pub next_connection: Arc<AtomicU64>,
     pub connections: connections::ConnectionCounter,
     pub auth: Arc<auth::Authenticator>,
+    /// Cluster mode: this node's id (shown by `/healthz`).
+    pub node: Option<Arc<str>>,
 }
 
 pub fn router(state: AppState) -> Router {

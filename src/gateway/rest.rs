@@ -429,11 +429,18 @@ pub async fn add_observer(
             content_type = "text/plain"),
     ))]
 pub async fn healthz(State(app): State<AppState>) -> Response {
+    // Cluster mode names the node, so that an operator behind a load
+    // balancer knows which one answered.
+    let node = app
+        .node
+        .as_deref()
+        .map(|n| format!("node {n}\n"))
+        .unwrap_or_default();
     match app.store.health() {
-        Ok(()) => "ok\n".into_response(),
+        Ok(()) => format!("ok\n{node}").into_response(),
         Err(reason) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("store unavailable: {reason}\n"),
+            format!("store unavailable: {reason}\n{node}"),
         )
             .into_response(),
     }

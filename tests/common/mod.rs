@@ -107,21 +107,7 @@ impl TestServer {
     /// GET `path` with `token` as a bearer token (none: no Authorization);
     /// returns the status and the body as JSON (a string when not JSON).
     pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
-        let mut request = self.http.get(self.http_url(path));
-        if let Some(token) = token {
-            request = request.bearer_auth(token);
-        }
-        let response = tokio::time::timeout(RECV_TIMEOUT, request.send())
-            .await
-            .unwrap_or_else(|_| panic!("GET {path}: no answer in {RECV_TIMEOUT:?}"))
-            .unwrap_or_else(|e| panic!("GET {path}: {e}"));
-        let status = response.status().as_u16();
-        let body = response
-            .text()
-            .await
-            .unwrap_or_else(|e| panic!("GET {path}: reading the body: {e}"));
-        let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
-        (status, value)
+        http_call(&self.http, &self.http_url(""), "GET", path, token, None).await
     }
 
     /// Any REST call: `method` on `path`, with `token` as a bearer token
@@ -134,48 +120,13 @@ impl TestServer {
         token: Option<&str>,
         body: Option<Value>,
     ) -> (u16, Value) {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("an HTTP method");
-        let mut request = self.http.request(method.clone(), self.http_url(path));
-        if let Some(token) = token {
-            request = request.bearer_auth(token);
-        }
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = tokio::time::timeout(RECV_TIMEOUT, request.send())
-            .await
-            .unwrap_or_else(|_| panic!("{method} {path}: no answer in {RECV_TIMEOUT:?}"))
-            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
-        let status = response.status().as_u16();
-        let body = response
-            .text()
-            .await
-            .unwrap_or_else(|e| panic!("{method} {path}: reading the body: {e}"));
-        let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
-        (status, value)
+        http_call(&self.http, &self.http_url(""), method, path, token, body).await
     }
 
     /// The stored events of a conversation after `after`, through REST
     /// (which never activates or attaches).
-    /// Pages on (`after` = the last seq) until `head_seq`, as a client must:
-    /// a page may hold fewer than `limit` events.
     pub async fn stored_events(&self, id: &str, user: &str, after: u64) -> Vec<Value> {
-        let mut events: Vec<Value> = Vec::new();
-        let mut cursor = after;
-        loop {
-            let path = format!("/v1/conversations/{id}/events?after={cursor}&limit=10000");
-            let (status, body) = self.get(&path, Some(user)).await;
-            assert_eq!(status, 200, "GET {path} as {user}: {body}");
-            let page = body["events"]
-                .as_array()
-                .unwrap_or_else(|| panic!("GET {path}: no `events` array in {body}"));
-            let head = body["head_seq"].as_u64().unwrap_or(0);
-            events.extend(page.iter().cloned());
-            match page.last() {
-                Some(last) if seq(last) < head => cursor = seq(last),
-                _ => return events,
-            }
-        }
+        stored_events_at(&self.http, &self.http_url(""), id, user, after).await
     }
 
     /// Waits until the stored history satisfies `done`, reading it through
@@ -618,4 +569,66 @@ pub fn the_one<'a>(events: &'a [Value], kind_: &str) -> &'a Value {
         found.len()
     );
     found[0]
+}
+
+/// Any REST call on the server at `base` (`http://host:port`): `method` on
+/// `path`, with `token` as a bearer token (none: no Authorization header)
+/// and an optional JSON body; returns the status and the body as JSON (a
+/// string when not JSON).
+pub async fn http_call(
+    http: &reqwest::Client,
+    base: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).expect("an HTTP method");
+    let mut request = http.request(method.clone(), format!("{base}{path}"));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = tokio::time::timeout(RECV_TIMEOUT, request.send())
+        .await
+        .unwrap_or_else(|_| panic!("{method} {base}{path}: no answer in {RECV_TIMEOUT:?}"))
+        .unwrap_or_else(|e| panic!("{method} {base}{path}: {e}"));
+    let status = response.status().as_u16();
+    let body = response
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("{method} {base}{path}: reading the body: {e}"));
+    let value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+    (status, value)
+}
+
+/// The stored events of a conversation after `after` on the server at
+/// `base`, through REST (which never activates or attaches). Pages on
+/// (`after` = the last seq) until `head_seq`, as a client must: a page may
+/// hold fewer than `limit` events.
+pub async fn stored_events_at(
+    http: &reqwest::Client,
+    base: &str,
+    id: &str,
+    user: &str,
+    after: u64,
+) -> Vec<Value> {
+    let mut events: Vec<Value> = Vec::new();
+    let mut cursor = after;
+    loop {
+        let path = format!("/v1/conversations/{id}/events?after={cursor}&limit=10000");
+        let (status, body) = http_call(http, base, "GET", &path, Some(user), None).await;
+        assert_eq!(status, 200, "GET {base}{path} as {user}: {body}");
+        let page = body["events"]
+            .as_array()
+            .unwrap_or_else(|| panic!("GET {base}{path}: no `events` array in {body}"));
+        let head = body["head_seq"].as_u64().unwrap_or(0);
+        events.extend(page.iter().cloned());
+        match page.last() {
+            Some(last) if seq(last) < head => cursor = seq(last),
+            _ => return events,
+        }
+    }
 }

@@ -9,11 +9,14 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde_json::Value;
+
 use super::{Client, RECV_TIMEOUT};
 
 pub struct ServerProcess {
     pub addr: SocketAddr,
     pub pid: u32,
+    http: reqwest::Client,
     log: Arc<Mutex<Vec<String>>>,
     new_line: mpsc::Receiver<String>,
     exit: mpsc::Receiver<ExitStatus>,
@@ -55,6 +58,7 @@ impl ServerProcess {
         let mut process = ServerProcess {
             addr: "127.0.0.1:0".parse().unwrap(),
             pid,
+            http: reqwest::Client::new(),
             log,
             new_line,
             exit,
@@ -81,6 +85,22 @@ impl ServerProcess {
 
     pub async fn connect(&self, user: &str) -> Client {
         Client::connect(&self.ws_url(user), user).await
+    }
+
+    pub fn http_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// GET `path` with `token` as a bearer token (none: no Authorization);
+    /// returns the status and the body as JSON (a string when not JSON).
+    pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
+        super::http_call(&self.http, &self.http_url(""), "GET", path, token, None).await
+    }
+
+    /// The stored events of a conversation after `after`, through REST
+    /// (which never activates or attaches), paged until `head_seq`.
+    pub async fn stored_events(&self, id: &str, user: &str, after: u64) -> Vec<Value> {
+        super::stored_events_at(&self.http, &self.http_url(""), id, user, after).await
     }
 
     /// Waits for a log line (already written or coming) that matches.

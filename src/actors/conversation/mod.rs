@@ -112,6 +112,12 @@ pub enum ConversationMsg {
     Shutdown {
         reason: StopReason,
     },
+    /// From the supervisor only (cluster mode): this node's lease was
+    /// lost; stop without writing and tell everyone `detached moved`.
+    Moved,
+    /// A remote conversation's own events (cluster mode: the stand-in for
+    /// a conversation owned by another node); a local one has none.
+    Proxy(crate::cluster::remote::proxy::ProxyEvent),
 }
 
 impl ConversationMsg {
@@ -473,6 +479,13 @@ impl Actor for Conversation {
                 state.flush(&myself);
             }
             ConversationMsg::Shutdown { reason } => state.begin_stop(&myself, reason),
+            ConversationMsg::Moved => {
+                if state.stopping != Some(StopReason::NodeLost) {
+                    state.moved(&myself, "its lease was lost");
+                }
+                return Ok(());
+            }
+            ConversationMsg::Proxy(_) => {}
         }
         if state.stopping.is_some() || state.batch.len() >= MAX_BATCH_EVENTS {
             state.flush(&myself);

@@ -31,6 +31,10 @@ impl State {
         myself: &ActorRef<ConversationMsg>,
         error: crate::store::StoreError,
     ) -> bool {
+        if let crate::store::StoreError::Fenced { .. } = &error {
+            self.moved(myself, &error.to_string());
+            return true;
+        }
         m::store_append_failed();
         let lost_from = self.committed + 1;
         let lost_to = self.next_seq.saturating_sub(1);
@@ -43,20 +47,9 @@ impl State {
         );
         self.discard_uncommitted(&message);
 
-        if let Some(creator) = self.pending_creator.take() {
-            // Nothing of the conversation exists: the creator is told so and
-            // the actor goes (the supervisor forgets it as for any stop).
-            creator.conn.outbound.reply(&ServerFrame::error(
-                creator.req,
-                ErrorCode::StoreUnavailable,
-                format!("the conversation could not be created: {message}; retry later"),
-                None,
-            ));
-            let _ = creator.conn.actor.cast(ConnectionMsg::DetachedBy {
-                conversation_id: self.id.clone(),
-                actor: myself.get_id(),
-            });
-        }
+        // Nothing of the conversation exists: the creator is told so and
+        // the actor goes (the supervisor forgets it as for any stop).
+        self.refuse_creator(myself, &message);
         if self.committed == 0 || self.stopping.is_some() {
             // Never created, or stopping anyway: its stop could not be
             // recorded, which the next activation explains (an open turn is
@@ -86,6 +79,45 @@ impl State {
         self.store_failure = Some(error.to_string());
         self.schedule_store_retry(myself);
         false
+    }
+
+    /// Cluster mode: another node owns the conversation now (this node's
+    /// append was refused by the fence, or its lease was found lost). Nothing
+    /// more may be written here, not even `agent_stopped`: what was not
+    /// committed is dropped, the turn stops without a record (the new owner
+    /// closes it), and every client is told `detached moved` to attach
+    /// again, on any node.
+    pub(super) fn moved(&mut self, myself: &ActorRef<ConversationMsg>, why: &str) {
+        warn!(conversation = %self.id, user = %self.user, committed = self.committed, why,
+            "the conversation moved to another node: stopping it here without writing");
+        let message = format!("this node no longer owns the conversation ({why})");
+        self.discard_uncommitted(&message);
+        self.refuse_creator(myself, &message);
+        self.cancel_timers();
+        if let Some(turn) = self.turn.take() {
+            turn.timeout.abort();
+            self.session.stop_turn();
+        }
+        self.session.close();
+        self.stopping = Some(StopReason::NodeLost);
+        self.finish_stop(myself);
+    }
+
+    /// Tells a creator still waiting for the first commit that the
+    /// conversation could not be created.
+    fn refuse_creator(&mut self, myself: &ActorRef<ConversationMsg>, message: &str) {
+        if let Some(creator) = self.pending_creator.take() {
+            creator.conn.outbound.reply(&ServerFrame::error(
+                creator.req,
+                ErrorCode::StoreUnavailable,
+                format!("the conversation could not be created: {message}; retry later"),
+                None,
+            ));
+            let _ = creator.conn.actor.cast(ConnectionMsg::DetachedBy {
+                conversation_id: self.id.clone(),
+                actor: myself.get_id(),
+            });
+        }
     }
 
     /// Drops every event not committed and answers whoever waited on one.

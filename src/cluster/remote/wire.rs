@@ -1,0 +1,94 @@
+//! The messages nodes exchange about remote attachments (JSON).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::protocol::{ErrorCode, Mode, ReqId};
+
+/// A socket node asks the owner to attach one of its connections.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AttachRequest {
+    pub conversation: String,
+    /// The socket's node: frames go to `route.<socket_node>.<route>`.
+    pub socket_node: String,
+    pub route: String,
+    pub user: String,
+    pub mode: Mode,
+    pub last_seq: u64,
+    pub req: Option<ReqId>,
+}
+
+/// The owner's answer to an [`AttachRequest`].
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum AttachReply {
+    /// The conversation has the attachment; `attached` and the replay
+    /// come over the route.
+    Attached,
+    /// Refused as a local attach would be (`code` is the protocol's).
+    Refused { code: ErrorCode, message: String },
+    /// This node does not run the conversation (any more).
+    NotHere,
+}
+
+/// A client frame for an attachment, from its socket node.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RouteCommand {
+    pub route: String,
+    pub command: Command,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Command {
+    Message {
+        text: String,
+        client_msg_id: Option<String>,
+        req: Option<ReqId>,
+    },
+    ToolResult {
+        call_id: String,
+        output: Value,
+        is_error: bool,
+        req: Option<ReqId>,
+    },
+    Stop {
+        req: Option<ReqId>,
+    },
+    /// `req` is `Some` for a client's `detach` (answered `detached
+    /// client`), `None` when the socket went away.
+    Detach {
+        req: Option<Option<ReqId>>,
+    },
+}
+
+/// The routes a socket node still holds with one owner.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Alive {
+    pub routes: Vec<String>,
+}
+
+/// Stop a conversation on its owner (`close`, delete, the user's limit).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StopRequest {
+    pub conversation: String,
+    pub reason: StopKind,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum StopKind {
+    Closed,
+    Deleted,
+    UserLimit,
+}
+
+impl StopKind {
+    pub fn reason(self) -> crate::protocol::StopReason {
+        match self {
+            StopKind::Closed => crate::protocol::StopReason::Closed,
+            StopKind::Deleted => crate::protocol::StopReason::Deleted,
+            StopKind::UserLimit => crate::protocol::StopReason::UserLimit,
+        }
+    }
+}
