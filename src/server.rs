@@ -100,6 +100,7 @@ pub struct Server {
     /// Cluster mode: lease renewal, serving other nodes, the watch for lost
     /// nodes' conversations; they run until the conversations are stopped.
     cluster_tasks: Vec<JoinHandle<()>>,
+    cluster: Option<Arc<ClusterNode>>,
     /// Held until the process exits: the store is this server's alone.
     /// (Cluster mode: none; `store.path` holds only workspaces, which nodes
     /// may share.)
@@ -284,6 +285,7 @@ impl Server {
             probe,
             agent,
             cluster_tasks,
+            cluster,
             _lock: lock,
         })
     }
@@ -303,6 +305,11 @@ impl Server {
                 .await;
             if !matches!(stopped, Ok(CallResult::Success(()))) {
                 warn!("not every conversation stopped in time");
+            }
+            // Other nodes may claim what ran here at once, not after
+            // lease_ttl.
+            if let Some(cluster) = &self.cluster {
+                cluster.ownership.returned().await;
             }
             // Close every socket with 1001 once what is queued is sent, and
             // wait until each close frame is out (or its client gone):

@@ -127,7 +127,11 @@ impl Cluster {
     /// [`Cluster::start`] with `extra` TOML in every node's configuration.
     async fn start_with(n: usize, extra: &str) -> Cluster {
         let serial = SERIAL.lock().await;
-        let nats = Nats::single().await;
+        Cluster::start_on(serial, Nats::single().await, n, extra)
+    }
+
+    /// `n` nodes on the given NATS.
+    fn start_on(serial: MutexGuard<'static, ()>, nats: Nats, n: usize, extra: &str) -> Cluster {
         let mut cluster = Cluster {
             nodes: Vec::new(),
             nats,
@@ -786,5 +790,112 @@ async fn reject_mode_counts_every_node() {
     assert!(
         !history.iter().any(|e| kind(e) == "agent_stopped"),
         "{history:#?}"
+    );
+}
+
+/// Protocol §10.6: with NATS gone, a request that needs an append gets
+/// `store_unavailable` and `/healthz` answers 503; once NATS is back the
+/// service resumes by itself, and seq goes on contiguous.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_gone_is_store_unavailable_then_service_resumes() {
+    let mut cluster = Cluster::start(1).await;
+    let mut client = cluster.nodes[0].connect(USER).await;
+    let id = client.create().await;
+    client.send_message(&id, "before").await;
+    client.events_until_turn_finished(&id).await;
+
+    cluster.nats.stop_all();
+    let refused = client
+        .request(
+            serde_json::json!({"type": "message", "conversation_id": id, "text": "while down"}),
+        )
+        .await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["code"], "store_unavailable", "{refused}");
+    let (status, body) = cluster.nodes[0].server.get("/healthz", None).await;
+    assert_eq!(status, 503, "{body}");
+
+    cluster.nats.start_all().await;
+    let node = &cluster.nodes[0];
+    let deadline = Instant::now() + RECV_TIMEOUT;
+    loop {
+        let (status, _) = node.server.get("/healthz", None).await;
+        if status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/healthz stayed {status} after NATS came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The conversation retries with backoff: a message may still be
+    // refused for a moment after /healthz turned good.
+    let ack = loop {
+        let reply = client
+            .request(serde_json::json!({"type": "message", "conversation_id": id, "text": "after"}))
+            .await;
+        if reply["type"] == "ack" {
+            break reply;
+        }
+        assert_eq!(reply["code"], "store_unavailable", "{reply}");
+        assert!(Instant::now() < deadline, "still refused: {reply}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let (history, _) = node
+        .wait_for_history(&id, "the turn after NATS came back", RECV_TIMEOUT, |h| {
+            h.iter().any(|e| {
+                kind(e) == "turn_finished" && seq(e) > ack["seq"].as_u64().unwrap_or(u64::MAX)
+            })
+        })
+        .await;
+    assert_contiguous(&history, 1);
+    assert!(
+        !history
+            .iter()
+            .any(|e| kind(e) == "user_message" && e["data"]["text"] == "while down"),
+        "a refused message was recorded: {history:#?}"
+    );
+}
+
+/// Protocol §10: one of three NATS servers lost, the service goes on (the
+/// stream and buckets have 3 replicas; clients reconnect to the others).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_nats_server_of_three_lost_the_service_goes_on() {
+    let serial = SERIAL.lock().await;
+    let nats = Nats::cluster().await;
+    // Appended to the nodes' [cluster] table.
+    let mut cluster = Cluster::start_on(serial, nats, 2, "replicas = 3\n");
+    let mut on_a = cluster.nodes[0].connect(USER).await;
+    let id = on_a.create().await;
+    on_a.send_message(&id, "before").await;
+    on_a.events_until_turn_finished(&id).await;
+
+    cluster.nats.kill(0);
+    let mut on_b = cluster.nodes[1].connect(USER).await;
+    let (_, _) = resume(&mut on_b, &id, 0).await;
+    let deadline = Instant::now() + RECV_TIMEOUT;
+    let ack = loop {
+        let reply = on_b
+            .request(serde_json::json!({"type": "message", "conversation_id": id, "text": "after"}))
+            .await;
+        if reply["type"] == "ack" {
+            break reply;
+        }
+        // A leader election may refuse an append for a moment.
+        assert_eq!(reply["code"], "store_unavailable", "{reply}");
+        assert!(Instant::now() < deadline, "still refused: {reply}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let message_seq = ack["seq"].as_u64().expect("a seq");
+    let seen = read_turn_of(&mut on_b, &id, message_seq).await;
+    assert_contiguous(&seen, message_seq);
+    let on_a_history = cluster.nodes[0].history(&id).await;
+    let on_b_history = cluster.nodes[1].history(&id).await;
+    assert_contiguous(&on_b_history, 1);
+    assert_same_history(
+        &on_a_history,
+        &on_b_history,
+        "A and B after a NATS server died",
     );
 }

@@ -382,14 +382,19 @@ impl Actor for Supervisor {
             SupervisorMsg::Loaded { id, result } => state.loaded(&myself, id, result).await,
             SupervisorMsg::Stop { id, reason, reply } => {
                 let id: Arc<str> = Arc::from(id);
-                if let (Some((_, owner)), Some(cluster)) = (state.proxies.get(&id), &state.cluster)
-                {
+                let elsewhere = match (state.proxies.get(&id), &state.cluster) {
+                    (Some((_, owner)), Some(_)) if !state.active.contains_key(&id) => {
+                        Some(owner.clone())
+                    }
+                    _ => None,
+                };
+                if let (Some(owner), Some(cluster)) = (elsewhere, &state.cluster) {
                     // Run by another node: it stops it there.
                     let kind = match reason {
                         StopReason::Deleted => StopKind::Deleted,
                         _ => StopKind::Closed,
                     };
-                    let (cluster, owner) = (cluster.clone(), owner.clone());
+                    let cluster = cluster.clone();
                     tokio::spawn(async move {
                         stop_on_owner(&cluster.client, &cluster.subjects, &owner, &id, kind).await;
                         if let Some(reply) = reply {
@@ -563,9 +568,8 @@ impl State {
     /// does not run here (any more).
     fn release(&self, id: &Arc<str>) {
         if let Some(cluster) = &self.cluster {
-            if let Some(lease) = cluster.ownership.forget(id) {
-                let ownership = cluster.ownership.clone();
-                tokio::spawn(async move { ownership.give_back(lease).await });
+            if let Some(released) = cluster.ownership.forget(id) {
+                cluster.ownership.give_back_soon(released);
             }
         }
     }
@@ -861,7 +865,12 @@ impl State {
             return;
         }
         let proxy = match self.proxies.get(&id) {
-            Some((proxy, owner)) if *owner == node => Ok(proxy.clone()),
+            // A stand-in with no attachment left is stopping: a new one.
+            Some((proxy, owner))
+                if *owner == node && proxy.get_status() == ractor::ActorStatus::Running =>
+            {
+                Ok(proxy.clone())
+            }
             _ => {
                 let args = ProxyArgs {
                     id: id.clone(),

@@ -59,6 +59,9 @@ pub struct Ownership {
     held: Arc<Mutex<HashMap<String, Lease>>>,
     tracked: Arc<Mutex<HashMap<String, Tracked>>>,
     lease_ttl: Duration,
+    /// Leases being given back, waited for at shutdown so that other nodes
+    /// may claim this node's conversations at once, not after `lease_ttl`.
+    returns: tokio_util::task::TaskTracker,
 }
 
 impl Ownership {
@@ -69,6 +72,7 @@ impl Ownership {
             held: Arc::default(),
             tracked: Arc::default(),
             lease_ttl,
+            returns: tokio_util::task::TaskTracker::new(),
         }
     }
 
@@ -195,6 +199,19 @@ impl Ownership {
             .map(|lease| Released { lease, user })
     }
 
+    /// Gives a lease [`Ownership::forget`] handed back, in a task.
+    pub fn give_back_soon(&self, released: Released) {
+        let ownership = self.clone();
+        self.returns
+            .spawn(async move { ownership.give_back(released).await });
+    }
+
+    /// Waits for the leases being given back (shutdown).
+    pub async fn returned(&self) {
+        self.returns.close();
+        self.returns.wait().await;
+    }
+
     /// Deletes a lease [`Ownership::forget`] handed back, so that another
     /// node may claim the conversation at once.
     pub async fn give_back(&self, released: Released) {
@@ -236,6 +253,22 @@ impl Ownership {
                         conversation,
                         holder,
                     }) => {
+                        // Expired with nobody else holding it (NATS was
+                        // unreachable longer than lease_ttl): taken again
+                        // with the same term. Safe: if another node has
+                        // taken over meanwhile, the fence refuses our next
+                        // append anyway.
+                        if holder.is_empty() {
+                            if let Ok(again) = self.leases.acquire(&conversation, lease.term).await
+                            {
+                                info!(conversation = %conversation,
+                                    "lease had expired with nobody else holding it: taken again");
+                                if let Some(held) = self.held().get_mut(&conversation) {
+                                    *held = again;
+                                }
+                                continue;
+                            }
+                        }
                         info!(conversation = %conversation, holder = %holder,
                             "lease lost: the conversation stops here");
                         self.held().remove(&conversation);

@@ -9,6 +9,7 @@
 //! so the owner never sees a message before the attach that allows it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,7 +68,9 @@ struct Link {
     /// Commands waiting for the owner's answer to the attach.
     waiting: Option<Vec<Command>>,
     /// The client detached; the route ends when the owner lets it go.
-    detaching: bool,
+    /// Shared with the route's task: the end of a route the client left
+    /// closes nothing.
+    detaching: Arc<AtomicBool>,
     task: JoinHandle<()>,
 }
 
@@ -131,7 +134,7 @@ impl Actor for RemoteConversation {
                         link.task.abort();
                         state.links.remove(&conn);
                     } else {
-                        link.detaching = true;
+                        link.detaching.store(true, Ordering::Relaxed);
                     }
                 }
             }
@@ -223,21 +226,28 @@ impl State {
             last_seq,
             req,
         };
-        let task = tokio::spawn(forward(
-            self.args.client.clone(),
-            self.args.subjects.clone(),
-            self.args.owner.clone(),
-            request,
-            conn.clone(),
-            myself.clone(),
-        ));
+        let detaching = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(
+            RouteTask {
+                client: self.args.client.clone(),
+                subjects: self.args.subjects.clone(),
+                owner: self.args.owner.clone(),
+                leases: self.args.leases.clone(),
+                lease_ttl: self.args.lease_ttl,
+                request,
+                conn: conn.clone(),
+                proxy: myself.clone(),
+                detaching: detaching.clone(),
+            }
+            .run(),
+        );
         self.links.insert(
             conn.id,
             Link {
                 route,
                 conn,
                 waiting: Some(Vec::new()),
-                detaching: false,
+                detaching,
                 task,
             },
         );
@@ -257,7 +267,7 @@ impl State {
         let Some(link) = self.links.get_mut(&conn) else {
             return;
         };
-        if link.detaching {
+        if link.detaching.load(Ordering::Relaxed) {
             return;
         }
         match &mut link.waiting {
@@ -286,7 +296,7 @@ impl State {
             ProxyEvent::RouteEnded { conn, route } => {
                 if self.links.get(&conn).is_some_and(|l| l.route == route) {
                     if let Some(link) = self.links.remove(&conn) {
-                        if !link.detaching {
+                        if !link.detaching.load(Ordering::Relaxed) {
                             let _ = link.conn.actor.cast(ConnectionMsg::DetachedBy {
                                 conversation_id: self.args.id.clone(),
                                 actor: myself.get_id(),
@@ -300,7 +310,7 @@ impl State {
                 let routes: Vec<String> = self
                     .links
                     .values()
-                    .filter(|l| !l.detaching)
+                    .filter(|l| !l.detaching.load(Ordering::Relaxed))
                     .map(|l| l.route.clone())
                     .collect();
                 self.publish(
@@ -341,7 +351,7 @@ impl State {
         let links: Vec<Link> = self.links.drain().map(|(_, l)| l).collect();
         for link in links {
             link.task.abort();
-            if !link.detaching {
+            if !link.detaching.load(Ordering::Relaxed) {
                 self.send_command(&link.route, Command::Detach { req: None });
                 link.conn.outbound.reply(&ServerFrame::Detached {
                     req: None,
@@ -357,150 +367,167 @@ impl State {
     }
 }
 
-/// Attaches one connection on the owner and copies the route's frames to
-/// it until the route ends.
-async fn forward(
+/// One attachment through the owner: attaches the connection there and
+/// copies the route's frames to it until the route ends.
+struct RouteTask {
     client: async_nats::Client,
     subjects: Subjects,
     owner: String,
+    leases: Leases,
+    lease_ttl: Duration,
     request: AttachRequest,
     conn: ConnectionHandle,
     proxy: ActorRef<ConversationMsg>,
-) {
-    let route = request.route.clone();
-    let conversation = request.conversation.clone();
-    let req = request.req.clone();
-    run_route(
-        &client,
-        &subjects,
-        &owner,
-        request,
-        &conn,
-        &proxy,
-        req,
-        &conversation,
-    )
-    .await;
-    let _ = proxy.cast(ConversationMsg::Proxy(ProxyEvent::RouteEnded {
-        conn: conn.id,
-        route,
-    }));
+    detaching: Arc<AtomicBool>,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run_route(
-    client: &async_nats::Client,
-    subjects: &Subjects,
-    owner: &str,
-    request: AttachRequest,
-    conn: &ConnectionHandle,
-    proxy: &ActorRef<ConversationMsg>,
-    req: Option<ReqId>,
-    conversation: &str,
-) {
-    let refuse = |code: ErrorCode, message: String| {
-        conn.outbound.reply(&ServerFrame::error(
-            req.clone(),
+impl RouteTask {
+    async fn run(self) {
+        let route = self.request.route.clone();
+        self.attach_and_copy().await;
+        let _ = self
+            .proxy
+            .cast(ConversationMsg::Proxy(ProxyEvent::RouteEnded {
+                conn: self.conn.id,
+                route,
+            }));
+    }
+
+    fn refuse(&self, code: ErrorCode, message: String) {
+        self.conn.outbound.reply(&ServerFrame::error(
+            self.request.req.clone(),
             code,
             message,
-            Some(conversation.to_owned()),
+            Some(self.request.conversation.clone()),
         ));
-    };
-    let moved = || {
-        conn.outbound.reply(&ServerFrame::Detached {
-            req: req.clone(),
-            conversation_id: conversation.to_owned(),
+    }
+
+    /// `detached moved`: attach again, on any node.
+    fn moved(&self, req: Option<ReqId>) {
+        self.conn.outbound.reply(&ServerFrame::Detached {
+            req,
+            conversation_id: self.request.conversation.clone(),
             reason: DetachReason::Moved,
         });
-    };
-    let mut frames = match client
-        .subscribe(subjects.route(&request.socket_node, &request.route))
-        .await
-    {
-        Ok(s) => s,
-        Err(e) => {
-            refuse(
-                ErrorCode::StoreUnavailable,
-                format!("NATS: {e}; retry later"),
-            );
-            return;
-        }
-    };
-    let body = match serde_json::to_vec(&request) {
-        Ok(b) => b,
-        Err(e) => {
-            refuse(ErrorCode::Internal, e.to_string());
-            return;
-        }
-    };
-    let answer = client
-        .send_request(
-            subjects.attach(owner),
-            async_nats::Request::new()
-                .payload(body.into())
-                .timeout(Some(REQUEST_TIMEOUT)),
-        )
-        .await;
-    let reply = answer
-        .ok()
-        .and_then(|m| serde_json::from_slice::<AttachReply>(&m.payload).ok());
-    match reply {
-        Some(AttachReply::Attached) => {}
-        Some(AttachReply::Refused { code, message }) => {
-            refuse(code, message);
-            return;
-        }
-        // The owner is gone or no longer runs it: attach again, anywhere.
-        Some(AttachReply::NotHere) | None => {
-            moved();
-            return;
+    }
+
+    /// The owner did not answer at all (its node is gone): waits until its
+    /// lease has expired or moved (at most `lease_ttl` and a little), so
+    /// that the client, told to attach again, finds the conversation
+    /// claimable rather than still held by the dead node.
+    async fn wait_for_lease_change(&self) {
+        let deadline = tokio::time::Instant::now() + self.lease_ttl + Duration::from_secs(1);
+        while tokio::time::Instant::now() < deadline {
+            match self.leases.holder(&self.request.conversation).await {
+                Ok(Some(holder)) if holder.node == self.owner => {}
+                _ => return,
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
-    let _ = proxy.cast(ConversationMsg::Proxy(ProxyEvent::Ready {
-        conn: conn.id,
-        route: request.route.clone(),
-    }));
-    let mut expected: u64 = 1;
-    while let Some(message) = frames.next().await {
-        let n = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(COUNTER))
-            .and_then(|v| v.as_str().parse::<u64>().ok());
-        if n != Some(expected) {
-            // A frame was lost between the nodes: a gap must never reach
-            // the client, so it resumes from what it has.
-            info!(conversation, route = %request.route, expected, got = ?n,
-                "frames lost between nodes: closing the socket as a slow consumer");
-            conn.outbound
-                .close(close_code::SLOW_CONSUMER, "slow consumer", false);
-            return;
+
+    async fn attach_and_copy(&self) {
+        let request = &self.request;
+        let mut frames = match self
+            .client
+            .subscribe(self.subjects.route(&request.socket_node, &request.route))
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.refuse(
+                    ErrorCode::StoreUnavailable,
+                    format!("NATS: {e}; retry later"),
+                );
+                return;
+            }
+        };
+        let body = match serde_json::to_vec(request) {
+            Ok(b) => b,
+            Err(e) => {
+                self.refuse(ErrorCode::Internal, e.to_string());
+                return;
+            }
+        };
+        let answer = self
+            .client
+            .send_request(
+                self.subjects.attach(&self.owner),
+                async_nats::Request::new()
+                    .payload(body.into())
+                    .timeout(Some(REQUEST_TIMEOUT)),
+            )
+            .await;
+        let reply = match answer {
+            Ok(m) => serde_json::from_slice::<AttachReply>(&m.payload).ok(),
+            Err(e) => {
+                debug!(conversation = %request.conversation, owner = %self.owner, error = %e,
+                    "the owner did not answer an attach");
+                self.wait_for_lease_change().await;
+                None
+            }
+        };
+        match reply {
+            Some(AttachReply::Attached) => {}
+            Some(AttachReply::Refused { code, message }) => {
+                self.refuse(code, message);
+                return;
+            }
+            // The owner is gone or no longer runs it: attach again, anywhere.
+            Some(AttachReply::NotHere) | None => {
+                self.moved(request.req.clone());
+                return;
+            }
         }
-        expected += 1;
-        if message.payload.is_empty() {
-            let code = message
+        let _ = self.proxy.cast(ConversationMsg::Proxy(ProxyEvent::Ready {
+            conn: self.conn.id,
+            route: request.route.clone(),
+        }));
+        let mut expected: u64 = 1;
+        while let Some(message) = frames.next().await {
+            let n = message
                 .headers
                 .as_ref()
-                .and_then(|h| h.get(CLOSE))
-                .and_then(|v| v.as_str().parse::<u16>().ok());
-            if let Some(code) = code {
-                let reason = if code == close_code::SLOW_CONSUMER {
-                    "slow consumer"
-                } else {
-                    "closed by the conversation's node"
-                };
-                conn.outbound.close(code, reason, true);
+                .and_then(|h| h.get(COUNTER))
+                .and_then(|v| v.as_str().parse::<u64>().ok());
+            if n != Some(expected) {
+                // A frame was lost between the nodes: a gap must never
+                // reach the client, so it resumes from what it has.
+                info!(conversation = %request.conversation, route = %request.route, expected,
+                    got = ?n, "frames lost between nodes: closing the socket as a slow consumer");
+                self.conn
+                    .outbound
+                    .close(close_code::SLOW_CONSUMER, "slow consumer", false);
+                return;
             }
-            return;
+            expected += 1;
+            if message.payload.is_empty() {
+                let code = message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(CLOSE))
+                    .and_then(|v| v.as_str().parse::<u16>().ok());
+                // A route the client left ends without touching its socket.
+                if let (Some(code), false) = (code, self.detaching.load(Ordering::Relaxed)) {
+                    let reason = if code == close_code::SLOW_CONSUMER {
+                        "slow consumer"
+                    } else {
+                        "closed by the conversation's node"
+                    };
+                    self.conn.outbound.close(code, reason, true);
+                }
+                return;
+            }
+            let Ok(frame) = Utf8Bytes::try_from(message.payload) else {
+                return;
+            };
+            if self.conn.outbound.send(frame).await.is_err() {
+                return;
+            }
         }
-        let Ok(frame) = Utf8Bytes::try_from(message.payload) else {
-            return;
-        };
-        if conn.outbound.send(frame).await.is_err() {
-            return;
-        }
+        // The subscription ended: the NATS client is closing.
+        self.moved(None);
     }
-    moved();
 }
 
 /// Stops a conversation on its owner (`close`, delete) and waits until it
