@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use common::nats::Nats;
 use common::RECV_TIMEOUT;
@@ -300,33 +299,7 @@ async fn all_servers_gone_is_unavailable_and_recovers_by_itself() {
 /// answers the client's PING so that the handshake completes).
 #[tokio::test]
 async fn a_server_older_than_2_11_is_refused_with_the_reason() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        while let Ok((mut sock, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let info = format!(
-                    "INFO {{\"server_id\":\"FAKE\",\"server_name\":\"fake\",\"version\":\"2.10.22\",\
-                     \"proto\":1,\"host\":\"127.0.0.1\",\"port\":{port},\"max_payload\":1048576,\
-                     \"jetstream\":true}}\r\n"
-                );
-                if sock.write_all(info.as_bytes()).await.is_err() {
-                    return;
-                }
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = sock.read(&mut buf).await {
-                    if n == 0 {
-                        return;
-                    }
-                    if buf[..n].windows(4).any(|w| w == b"PING")
-                        && sock.write_all(b"PONG\r\n").await.is_err()
-                    {
-                        return;
-                    }
-                }
-            });
-        }
-    });
+    let port = common::nats::fake_server("2.10.22").await;
     let result = connect(
         &[format!("nats://127.0.0.1:{port}")],
         options(Duration::from_secs(5), 1, Duration::from_secs(5)),

@@ -14,6 +14,11 @@
 //! - `healthz_shows_node_id`: `/healthz` names the node (§10, `cluster.node_id`).
 //! - `the_user_limit_counts_every_node_and_evicts_across_them` and
 //!   `reject_mode_counts_every_node`: `max_per_user` is cluster-wide (§10.5).
+//! - `nats_gone_is_store_unavailable_then_service_resumes` and
+//!   `one_nats_server_of_three_lost_the_service_goes_on`: NATS trouble
+//!   (§10.6).
+//! - `a_nats_older_than_2_11_is_refused_at_start` (§10.8).
+//! - `queued_messages_survive_the_loss_of_their_node` (§10.4).
 //!
 //! Each test starts its own NATS server and nodes on free ports, each node
 //! with its own temporary `store.path`. Synchronization is on frames, on log
@@ -898,4 +903,55 @@ async fn one_nats_server_of_three_lost_the_service_goes_on() {
         &on_b_history,
         "A and B after a NATS server died",
     );
+}
+
+/// Protocol §10.8: a NATS server older than 2.11 is refused at start, with
+/// the reason, and the process exits non-zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_older_than_2_11_is_refused_at_start() {
+    let port = common::nats::fake_server("2.10.22").await;
+    let (_dir, store) = common::process::temp_store();
+    let toml = format!("[cluster]\nmode = \"nats\"\nnats_urls = [\"nats://127.0.0.1:{port}\"]\n");
+    let (status, stderr) = tokio::task::spawn_blocking(move || {
+        common::process::serve_refused_with(&store, "127.0.0.1:0", &toml)
+    })
+    .await
+    .expect("the refused start");
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("2.10.22") && stderr.contains("2.11") && stderr.contains("too old"),
+        "{stderr}"
+    );
+}
+
+/// Protocol §10.4: a message queued behind a running turn survives the
+/// loss of its node: the takeover ends the turn `interrupted` and keeps the
+/// message queued, and it runs when the conversation is next activated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_messages_survive_the_loss_of_their_node() {
+    let mut cluster = Cluster::start(2).await;
+    let mut on_a = cluster.nodes[0].connect(USER).await;
+    let id = on_a.create().await;
+    on_a.send_message(&id, LONG_TURN).await;
+    read_deltas(&mut on_a, &id, 3).await;
+    let queued = on_a.send_message(&id, "queued behind the long turn").await;
+    let queued_seq = queued["seq"].as_u64().expect("a seq");
+
+    cluster.nodes[0].server.kill9();
+    let b = &cluster.nodes[1];
+    b.wait_for_history(&id, "agent_stopped node_lost", TAKEOVER_WAIT, |h| {
+        has_agent_stopped(h, "node_lost")
+    })
+    .await;
+
+    let mut on_b = b.connect(USER).await;
+    // Activated here: the queued message's turn starts at once (in the
+    // replay or live).
+    on_b.attach(&id, 0).await;
+    let (started, _) = on_b
+        .recv_until(|f| is_event(f, "turn_started") && f["data"]["message_seq"] == queued_seq)
+        .await;
+    assert_eq!(started["data"]["message_seq"], queued_seq, "{started}");
+    let history = b.history(&id).await;
+    assert_contiguous(&history, 1);
 }

@@ -231,3 +231,39 @@ impl Drop for Nats {
         }
     }
 }
+
+/// A fake NATS server that announces `version` in its INFO (and answers the
+/// client's PING, so that the handshake completes); returns its port. For
+/// the refusal of servers that are too old.
+pub async fn fake_server(version: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let info = format!(
+        "INFO {{\"server_id\":\"FAKE\",\"server_name\":\"fake\",\"version\":\"{version}\",\
+         \"proto\":1,\"host\":\"127.0.0.1\",\"port\":{port},\"max_payload\":1048576,\
+         \"jetstream\":true}}\r\n"
+    );
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let info = info.clone();
+            tokio::spawn(async move {
+                if sock.write_all(info.as_bytes()).await.is_err() {
+                    return;
+                }
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = sock.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    if buf[..n].windows(4).any(|w| w == b"PING")
+                        && sock.write_all(b"PONG\r\n").await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}

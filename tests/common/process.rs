@@ -195,9 +195,14 @@ fn serve_command_configured_in(
 /// Starts `linger serve` on `listen` with its store in `store`, expecting
 /// it to refuse: returns its exit status and stderr.
 pub fn serve_refused(store: &Path, listen: &str) -> (ExitStatus, String) {
+    serve_refused_with(store, listen, "")
+}
+
+/// [`serve_refused`] with extra TOML in the configuration.
+pub fn serve_refused_with(store: &Path, listen: &str, extra_toml: &str) -> (ExitStatus, String) {
     // The config lives apart from the store, which may be unwritable.
     let config_dir = tempfile::tempdir().unwrap();
-    let out = serve_command_configured_in(config_dir.path(), store, listen, "")
+    let out = serve_command_configured_in(config_dir.path(), store, listen, extra_toml)
         .stderr(Stdio::piped())
         .output()
         .expect("run the linger binary");
