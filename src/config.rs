@@ -150,6 +150,9 @@ pub struct AgentConfig {
     pub command: Vec<String>,
     #[serde(with = "humantime_serde")]
     pub turn_timeout: Duration,
+    /// Protocol §11: run a turn that ended `interrupted` again, once, when
+    /// its conversation is next active.
+    pub resume_interrupted: bool,
 }
 
 impl Default for AgentConfig {
@@ -158,6 +161,7 @@ impl Default for AgentConfig {
             kind: AgentKind::Demo,
             command: Vec::new(),
             turn_timeout: Duration::from_secs(30 * 60),
+            resume_interrupted: false,
         }
     }
 }

@@ -34,6 +34,9 @@ pub enum EventData {
     TurnStarted {
         turn_id: String,
         message_seq: u64,
+        /// Protocol §11: the interrupted turn this one runs again.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        resumed_from: Option<String>,
     },
     TextDelta {
         turn_id: String,

@@ -59,6 +59,10 @@ pub enum ClientFrame {
         last_seq: Option<u64>,
         #[serde(default)]
         mode: Option<Mode>,
+        /// Protocol §11: leave finished turns' `text_delta`s out of the
+        /// replay.
+        #[serde(default)]
+        compact: Option<bool>,
     },
     Detach {
         #[serde(default)]
@@ -307,6 +311,9 @@ pub enum ServerFrame {
         replay_incomplete: bool,
         pending_calls: Vec<String>,
         queued_messages: usize,
+        /// Present (true) when the attach asked for a compact replay.
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        compact: bool,
     },
     Detached {
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -460,7 +467,8 @@ mod tests {
                 req: Some(ReqId::Int(3)),
                 conversation_id: "c_1".into(),
                 last_seq: None,
-                mode: None
+                mode: None,
+                compact: None
             }
         );
     }

@@ -5,7 +5,9 @@
 //! seq. This runs before any conversation actor exists, so it is the one
 //! writer of those histories. In cluster mode the same closing, with
 //! `node_lost`, is what a node does for a conversation whose owner died
-//! (protocol §10.4), after claiming it.
+//! (protocol §10.4), after claiming it. With `agent.resume_interrupted`,
+//! [`interrupted_turn`] finds the turn such a closing ended, to run it again
+//! (protocol §11).
 
 use std::sync::Arc;
 
@@ -14,7 +16,7 @@ use tracing::info;
 
 use crate::event::{now_rfc3339, EventData, EventRecord, TurnStatus};
 use crate::protocol::{Status, StopReason};
-use crate::store::{AppendBatch, ConversationMeta, ConversationState, Store, StoreError};
+use crate::store::{AppendBatch, ConversationMeta, ConversationState, Snapshot, Store, StoreError};
 
 /// Recovers every unfinished conversation; returns how many.
 pub async fn recover(store: &Arc<dyn Store>) -> Result<usize, StoreError> {
@@ -96,4 +98,85 @@ pub fn close(
         }),
     );
     rx
+}
+
+/// An interrupted turn to run again (protocol §11).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InterruptedTurn {
+    /// The interrupted turn's id (`resumed_from` of the new one).
+    pub turn_id: String,
+    /// The user message it answered, and its text.
+    pub message_seq: u64,
+    pub text: String,
+}
+
+/// Events read per page when looking back for a turn's start.
+const LOOK_BACK_PAGE: u64 = 512;
+
+/// The conversation's last turn, if it ended `interrupted` and was not
+/// itself a resumed turn (a resumed turn is never resumed twice). Looks at
+/// the snapshot's tail first, then back through the store page by page, so
+/// a long turn is found too.
+pub async fn interrupted_turn(
+    store: &Arc<dyn Store>,
+    snapshot: &Snapshot,
+) -> Result<Option<InterruptedTurn>, StoreError> {
+    let id = snapshot.meta.id.as_str();
+    let mut finished: Option<String> = None;
+    let mut page: Vec<Arc<EventRecord>> = snapshot.tail.clone();
+    let mut first = page.first().map_or(snapshot.meta.head_seq + 1, |e| e.seq);
+    loop {
+        for event in page.iter().rev() {
+            let data = || serde_json::from_str::<serde_json::Value>(&event.data).ok();
+            match &*event.kind {
+                "turn_finished" if finished.is_none() => {
+                    let Some(d) = data() else { return Ok(None) };
+                    if d["status"] != "interrupted" {
+                        return Ok(None);
+                    }
+                    finished = d["turn_id"].as_str().map(str::to_owned);
+                }
+                "turn_started" => {
+                    let Some(d) = data() else { return Ok(None) };
+                    let Some(turn_id) = finished.clone() else {
+                        // The last turn never finished.
+                        return Ok(None);
+                    };
+                    if d["turn_id"] != turn_id.as_str() {
+                        continue;
+                    }
+                    if !d["resumed_from"].is_null() {
+                        return Ok(None);
+                    }
+                    let Some(message_seq) = d["message_seq"].as_u64() else {
+                        return Ok(None);
+                    };
+                    let message = store.events(id, message_seq.saturating_sub(1), 1).await?;
+                    let text = message
+                        .first()
+                        .filter(|m| m.seq == message_seq && &*m.kind == "user_message")
+                        .and_then(|m| serde_json::from_str::<serde_json::Value>(&m.data).ok())
+                        .and_then(|d| d["text"].as_str().map(str::to_owned));
+                    return Ok(text.map(|text| InterruptedTurn {
+                        turn_id,
+                        message_seq,
+                        text,
+                    }));
+                }
+                _ => {}
+            }
+        }
+        if first <= 1 {
+            return Ok(None);
+        }
+        let after = first.saturating_sub(1 + LOOK_BACK_PAGE);
+        page = store
+            .events(id, after, (first - 1 - after) as usize)
+            .await?;
+        match page.first() {
+            Some(e) if e.seq < first => first = e.seq,
+            // Pruned by retention, or nothing before: not found.
+            _ => return Ok(None),
+        }
+    }
 }

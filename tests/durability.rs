@@ -137,3 +137,61 @@ async fn sigterm_shuts_down_gracefully() {
     server.signal("TERM");
     assert_eq!(server.wait_exit(Duration::from_secs(15)).code(), Some(0));
 }
+
+/// Protocol §11: with `agent.resume_interrupted`, a turn cut by a crash is
+/// run again, once, when its conversation is next active, for the same user
+/// message (`turn_started.resumed_from`); a resumed turn cut again is not
+/// resumed a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_turn_is_resumed_once() {
+    let (_dir, store) = temp_store();
+    let config = "[agent]\nresume_interrupted = true\n";
+    let mut server = ServerProcess::spawn(&store, config);
+    let mut client = server.connect("alice").await;
+    let id = client.create().await;
+    let ack = client.send_message(&id, "/stream 100000 20").await;
+    let message_seq = ack["seq"].as_u64().unwrap();
+    let started = client.events_until_kind(&id, "text_delta").await;
+    let first_turn = started
+        .iter()
+        .find(|e| is_event(e, "turn_started"))
+        .map(|e| e["data"]["turn_id"].clone())
+        .unwrap();
+    server.kill9();
+
+    // Next activation: the same message runs again, as a resumed turn.
+    let mut server = ServerProcess::spawn(&store, config);
+    let mut client = server.connect("alice").await;
+    client.attach(&id, 0).await;
+    let (resumed, _) = client
+        .recv_until(|f| is_event(f, "turn_started") && f["data"]["turn_id"] != first_turn)
+        .await;
+    assert_eq!(resumed["data"]["message_seq"], message_seq, "{resumed}");
+    assert_eq!(resumed["data"]["resumed_from"], first_turn, "{resumed}");
+    client.events_until_kind(&id, "text_delta").await;
+    server.kill9();
+
+    // Cut again: not resumed a second time.
+    let server = ServerProcess::spawn(&store, config);
+    let mut client = server.connect("alice").await;
+    let attached = client.attach(&id, 0).await;
+    let head = attached["head_seq"].as_u64().unwrap();
+    let mut replay = client.events(&id, head as usize).await;
+    if kind(replay.last().unwrap()) != "agent_started" {
+        replay.push(client.next_event(&id).await);
+    }
+    common::assert_contiguous(&replay, 1);
+    let starts: Vec<&Value> = replay
+        .iter()
+        .filter(|e| is_event(e, "turn_started"))
+        .collect();
+    assert_eq!(
+        starts.len(),
+        2,
+        "one turn and its one resumption: {starts:#?}"
+    );
+    assert_eq!(kind(replay.last().unwrap()), "agent_started");
+    // And it stays idle: a new message is the next thing that runs.
+    let ack = client.send_message(&id, "hello").await;
+    assert_eq!(ack["seq"], seq(replay.last().unwrap()) + 1);
+}

@@ -129,14 +129,22 @@ fn valid_frame() -> impl Strategy<Value = ClientFrame> {
                 title,
                 close_delay
             }),
-        (req_id(), id, prop::option::of(any::<u64>()), mode).prop_map(
-            |(req, conversation_id, last_seq, mode)| ClientFrame::Attach {
-                req,
-                conversation_id,
-                last_seq,
-                mode
-            }
-        ),
+        (
+            req_id(),
+            id,
+            prop::option::of(any::<u64>()),
+            mode,
+            prop::option::of(any::<bool>())
+        )
+            .prop_map(|(req, conversation_id, last_seq, mode, compact)| {
+                ClientFrame::Attach {
+                    req,
+                    conversation_id,
+                    last_seq,
+                    mode,
+                    compact,
+                }
+            }),
         (req_id(), id).prop_map(|(req, conversation_id)| ClientFrame::Detach {
             req,
             conversation_id
@@ -216,11 +224,13 @@ fn frame_json(frame: &ClientFrame) -> Value {
             conversation_id,
             last_seq,
             mode: m,
+            compact,
         } => {
             put("req", req(r));
             put("conversation_id", Some(json!(conversation_id)));
             put("last_seq", last_seq.map(|s| json!(s)));
             put("mode", mode(m));
+            put("compact", compact.map(|c| json!(c)));
             "attach"
         }
         ClientFrame::Detach {
@@ -292,6 +302,7 @@ fn fields_of(ty: &str) -> &'static [(&'static str, bool)] {
             ("conversation_id", false),
             ("last_seq", true),
             ("mode", true),
+            ("compact", true),
         ],
         "message" => &[
             ("req", true),

@@ -1,6 +1,6 @@
 //! Durable history (protocol §5.2, §5.4): replay from the store when the
-//! buffer does not hold the range, REST history, delete, rehydration of
-//! stopped conversations, retention, and workspaces.
+//! buffer does not hold the range, compact replays (§11), REST history,
+//! delete, rehydration of stopped conversations, retention, and workspaces.
 
 mod common;
 
@@ -273,4 +273,72 @@ async fn workspaces_survive_stop_and_restart() {
         common::Client::connect(&format!("ws://{}/v1/ws?token=alice", server.addr), "alice").await;
     client.attach(&id, 0).await;
     server.shutdown().await;
+}
+
+/// Protocol §11: a compact attach leaves out the `text_delta`s of finished
+/// turns, from the buffer and from the store alike, sends every other event
+/// in seq order and every event of the running turn, says `compact: true`,
+/// and goes on live without a gap.
+#[tokio::test]
+async fn a_compact_replay_leaves_out_finished_turns_deltas_only() {
+    for buffer in [10_000, 5] {
+        let server =
+            TestServer::start_with(|c| c.conversations.replay_buffer_events = buffer).await;
+        let mut writer = server.connect("alice").await;
+        let id = writer.create().await;
+        writer.send_message(&id, "/stream 40 0").await;
+        writer.events_until_turn_finished(&id).await;
+        writer.send_message(&id, "/stream 100000 20").await;
+        let mut running = writer.events_until_kind(&id, "text_delta").await;
+        running.extend(writer.events(&id, 3).await);
+        let running_turn = running
+            .iter()
+            .find(|e| is_event(e, "turn_started"))
+            .map(|e| e["data"]["turn_id"].clone());
+
+        let mut reader = server.connect("alice").await;
+        let attached = reader
+            .request(
+                json!({"type": "attach", "conversation_id": id, "last_seq": 0, "compact": true}),
+            )
+            .await;
+        assert_eq!(attached["type"], "attached", "{attached}");
+        assert_eq!(attached["compact"], true, "{attached}");
+        let head = attached["head_seq"].as_u64().unwrap();
+        let stored = server.stored_events(&id, "alice", 0).await;
+        let finished_turn = stored
+            .iter()
+            .find(|e| is_event(e, "turn_started"))
+            .map(|e| e["data"]["turn_id"].clone())
+            .unwrap();
+        let expected: Vec<&Value> = stored
+            .iter()
+            .filter(|e| seq(e) <= head)
+            .filter(|e| !(kind(e) == "text_delta" && e["data"]["turn_id"] == finished_turn))
+            .collect();
+        assert!(
+            expected.len() < head as usize,
+            "the finished turn had deltas"
+        );
+        let replay = reader.events(&id, expected.len()).await;
+        for (got, want) in replay.iter().zip(&expected) {
+            assert_eq!(got, *want, "buffer {buffer}: the compact replay differs");
+        }
+        assert!(
+            replay
+                .iter()
+                .any(|e| kind(e) == "text_delta"
+                    && Some(&e["data"]["turn_id"]) == running_turn.as_ref()),
+            "the running turn's deltas are all sent"
+        );
+        // Live after the replay: contiguous from head + 1.
+        let live = reader.events(&id, 5).await;
+        assert_contiguous(&live, head + 1);
+
+        // A plain attach says nothing of compact and leaves nothing out.
+        let mut plain = server.connect("alice").await;
+        let attached = plain.attach(&id, 0).await;
+        assert!(attached.get("compact").is_none(), "{attached}");
+        server.shutdown().await;
+    }
 }

@@ -220,12 +220,14 @@ impl State {
                 conversation_id,
                 last_seq,
                 mode,
+                compact,
             } => {
                 self.attach(
                     req,
                     conversation_id,
                     last_seq.unwrap_or(0),
                     mode.unwrap_or_default(),
+                    compact.unwrap_or(false),
                 )
                 .await
             }
@@ -390,13 +392,20 @@ impl State {
         match result {
             // The conversation answers `created` once it is committed.
             Ok(activated) => {
-                self.start_attachment(activated, Mode::Control, 0, req, Announce::Created)
+                self.start_attachment(activated, Mode::Control, 0, false, req, Announce::Created)
             }
             Err(e) => self.reply(&ServerFrame::error(req, e.code(), e.to_string(), None)),
         }
     }
 
-    async fn attach(&mut self, req: Option<ReqId>, id: String, last_seq: u64, mode: Mode) {
+    async fn attach(
+        &mut self,
+        req: Option<ReqId>,
+        id: String,
+        last_seq: u64,
+        mode: Mode,
+        compact: bool,
+    ) {
         let user = self.handle.user.clone();
         let result = self
             .supervisor
@@ -413,7 +422,7 @@ impl State {
             .await;
         match flatten(result) {
             Ok(activated) => {
-                self.start_attachment(activated, mode, last_seq, req, Announce::Attached)
+                self.start_attachment(activated, mode, last_seq, compact, req, Announce::Attached)
             }
             Err(e) => {
                 debug!(connection = self.handle.id, conversation = %id, error = %e, "attach refused");
@@ -431,6 +440,7 @@ impl State {
         activated: Activated,
         mode: Mode,
         last_seq: u64,
+        compact: bool,
         req: Option<ReqId>,
         announce: Announce,
     ) {
@@ -438,6 +448,7 @@ impl State {
             conn: self.handle.clone(),
             mode,
             last_seq,
+            compact,
             req: req.clone(),
             announce,
         };

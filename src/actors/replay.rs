@@ -3,7 +3,8 @@
 //! events `from..=to`, from a snapshot of the replay buffer when the buffer
 //! holds them and from the store otherwise, at the pace the socket drains,
 //! then tells the conversation where it stopped. The conversation decides
-//! whether the attachment is live or needs another round.
+//! whether the attachment is live or needs another round. A compact replay
+//! (protocol §11) leaves out the `text_delta`s of finished turns.
 
 use std::sync::Arc;
 
@@ -22,6 +23,32 @@ use crate::store::Store;
 /// Events read from the store per page while replaying.
 const REPLAY_PAGE: usize = 128;
 
+/// What a compact replay keeps of the deltas: those of the turn running at
+/// the attach (every turn before it has finished).
+#[derive(Debug, Clone)]
+pub struct Compact {
+    pub running_turn: Option<Arc<str>>,
+}
+
+impl Compact {
+    /// Whether a compact replay leaves this event out.
+    fn omits(&self, record: &EventRecord) -> bool {
+        #[derive(serde::Deserialize)]
+        struct TurnRef<'a> {
+            #[serde(borrow)]
+            turn_id: &'a str,
+        }
+        if &*record.kind != "text_delta" {
+            return false;
+        }
+        match serde_json::from_str::<TurnRef>(&record.data) {
+            Ok(delta) => self.running_turn.as_deref() != Some(delta.turn_id),
+            // Unreadable: sent, never silently dropped.
+            Err(_) => false,
+        }
+    }
+}
+
 /// One replay: sends `attached` (if any), then the events `from..=to` from
 /// the buffer snapshot or the store, at the pace the socket drains, then
 /// reports where it stopped.
@@ -36,6 +63,8 @@ pub struct Replay {
     pub to: u64,
     pub from_buffer: Option<Vec<Arc<EventRecord>>>,
     pub attached: Option<ServerFrame>,
+    /// A compact replay (the attach's own, never a later catch-up).
+    pub compact: Option<Compact>,
 }
 
 impl Replay {
@@ -67,6 +96,14 @@ impl Replay {
                     .close(close_code::INTERNAL, "replay failed", true);
             }
         }
+    }
+
+    /// Sends one event of the replay, unless a compact replay omits it.
+    async fn send_event(&self, record: &EventRecord) -> Result<(), ReplayError> {
+        if self.compact.as_ref().is_some_and(|c| c.omits(record)) {
+            return Ok(());
+        }
+        self.send(record.frame.clone()).await
     }
 
     async fn send(&self, frame: Utf8Bytes) -> Result<(), ReplayError> {
@@ -104,7 +141,7 @@ impl Replay {
             let next = next;
             self.send_attached(&self.attached, self.from, false).await?;
             for record in records.iter().filter(|r| r.seq >= next && r.seq <= self.to) {
-                self.send(record.frame.clone()).await?;
+                self.send_event(record).await?;
             }
             return Ok(self.to + 1);
         }
@@ -128,7 +165,7 @@ impl Replay {
                 break;
             }
             for record in page.iter().filter(|r| r.seq <= self.to) {
-                self.send(record.frame.clone()).await?;
+                self.send_event(record).await?;
                 next = record.seq + 1;
             }
             if page.last().is_some_and(|r| r.seq >= self.to) {

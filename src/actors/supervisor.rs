@@ -123,6 +123,8 @@ pub enum Found {
     Here {
         snapshot: Box<Snapshot>,
         others: Vec<Activity>,
+        /// With `agent.resume_interrupted`: the turn to run again.
+        resume: Option<crate::recovery::InterruptedTurn>,
     },
     /// Cluster mode: another node runs it.
     Elsewhere {
@@ -720,16 +722,30 @@ impl State {
         let tail = self.config.conversations.replay_buffer_events;
         let me = myself.clone();
         let cluster = self.cluster.clone();
+        let resume = self.config.agent.resume_interrupted;
         tokio::spawn(async move {
-            let result = match &cluster {
+            let mut result = match &cluster {
                 Some(cluster) => load_in_cluster(cluster, &store, &id, tail).await,
                 None => store.snapshot(&id, tail).await.map(|s| {
                     s.map(|s| Found::Here {
                         snapshot: Box::new(s),
                         others: Vec::new(),
+                        resume: None,
                     })
                 }),
             };
+            if let (
+                true,
+                Ok(Some(Found::Here {
+                    snapshot, resume, ..
+                })),
+            ) = (resume, &mut result)
+            {
+                match crate::recovery::interrupted_turn(&store, snapshot).await {
+                    Ok(turn) => *resume = turn,
+                    Err(e) => result = Err(e),
+                }
+            }
             let _ = me.cast(SupervisorMsg::Loaded { id, result });
         });
     }
@@ -744,13 +760,16 @@ impl State {
             return;
         };
         let mut others = Vec::new();
+        let mut resume = None;
         let (snapshot_result, elsewhere) = match result {
             Ok(Some(Found::Elsewhere { meta, node })) => (Ok(None), Some((meta, node))),
             Ok(Some(Found::Here {
                 snapshot,
                 others: theirs,
+                resume: turn,
             })) => {
                 others = theirs;
+                resume = turn;
                 (Ok(Some(snapshot)), None)
             }
             Ok(None) => (Ok(None), None),
@@ -822,6 +841,7 @@ impl State {
         let origin = Origin::Restored {
             snapshot,
             reason: StartReason::Attach,
+            resume,
         };
         let result = self
             .spawn(myself, id.clone(), owner, observers, origin)
@@ -1184,6 +1204,7 @@ async fn load_in_cluster(
     Ok(store.snapshot(id, tail).await?.map(|s| Found::Here {
         snapshot: Box::new(s),
         others,
+        resume: None,
     }))
 }
 

@@ -37,7 +37,8 @@ struct DemoSession {
 }
 
 impl AgentSession for DemoSession {
-    fn start_turn(&mut self, turn_id: Arc<str>, text: String) {
+    fn start_turn(&mut self, turn: crate::agent::TurnRequest) {
+        let crate::agent::TurnRequest { turn_id, text, .. } = turn;
         self.stop_turn();
         let (tx, rx) = mpsc::unbounded_channel();
         let events = self.events.clone();

@@ -115,9 +115,19 @@ pub trait Agent: Send + Sync + 'static {
 }
 
 /// One active conversation's runner. All methods return at once.
+/// A turn for the agent to work on.
+#[derive(Debug, Clone)]
+pub struct TurnRequest {
+    pub turn_id: Arc<str>,
+    /// The user message the turn answers.
+    pub text: String,
+    /// Protocol §11: the turn re-runs one that was interrupted.
+    pub resumed: bool,
+}
+
 pub trait AgentSession: Send + 'static {
     /// Starts a turn. The conversation starts one turn at a time.
-    fn start_turn(&mut self, turn_id: Arc<str>, text: String);
+    fn start_turn(&mut self, turn: TurnRequest);
     /// Hands a client's answer to a pending tool call of the current turn.
     fn tool_result(&mut self, call_id: &str, output: Value, is_error: bool);
     /// Aborts the current turn; the conversation has already recorded it as

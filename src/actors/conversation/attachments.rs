@@ -3,16 +3,30 @@
 
 use super::*;
 
+/// How a connection asked to attach.
+pub(super) struct AttachAsk {
+    pub mode: Mode,
+    pub last_seq: u64,
+    /// Protocol §11: a compact replay.
+    pub compact: bool,
+    pub req: Option<ReqId>,
+    pub announce: Announce,
+}
+
 impl State {
     pub(super) fn attach(
         &mut self,
         myself: &ActorRef<ConversationMsg>,
         conn: ConnectionHandle,
-        mode: Mode,
-        last_seq: u64,
-        req: Option<ReqId>,
-        announce: Announce,
+        ask: AttachAsk,
     ) {
+        let AttachAsk {
+            mode,
+            last_seq,
+            compact,
+            req,
+            announce,
+        } = ask;
         if self.stopping.is_some() {
             conn.outbound.reply(&ServerFrame::error(
                 req,
@@ -54,6 +68,7 @@ impl State {
                     .map(|t| t.pending_calls.clone())
                     .unwrap_or_default(),
                 queued_messages: self.queue.len(),
+                compact,
             },
         };
         info!(conversation = %self.id, user = %self.user, connection = conn_id,
@@ -72,7 +87,12 @@ impl State {
         // Published before the replay starts, so that anyone who has seen
         // this attachment's frames also sees it counted.
         self.publish_gauge();
-        self.spawn_catch_up(myself, conn_id, from, Some(attached));
+        // A compact replay keeps every event of the turn running now; of
+        // the turns before it (all finished), it leaves the deltas out.
+        let compact = (compact && announce == Announce::Attached).then(|| Compact {
+            running_turn: self.turn.as_ref().map(|t| t.id.clone()),
+        });
+        self.spawn_catch_up(myself, conn_id, from, Some(attached), compact);
     }
 
     /// Starts (or restarts) a replay task for one attachment from `from` up
@@ -83,6 +103,7 @@ impl State {
         conn_id: ConnId,
         from: u64,
         attached: Option<ServerFrame>,
+        compact: Option<Compact>,
     ) {
         self.next_generation += 1;
         let generation = self.next_generation;
@@ -116,6 +137,7 @@ impl State {
             to,
             from_buffer,
             attached,
+            compact,
         };
         tokio::spawn(job.run());
     }
@@ -136,7 +158,7 @@ impl State {
         if next_seq > self.committed {
             attachment.cursor = Cursor::Live;
         } else {
-            self.spawn_catch_up(myself, conn_id, next_seq, None);
+            self.spawn_catch_up(myself, conn_id, next_seq, None, None);
         }
     }
 

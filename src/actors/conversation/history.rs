@@ -102,10 +102,13 @@ impl State {
             self.attach(
                 myself,
                 creator.conn,
-                creator.mode,
-                0,
-                creator.req,
-                Announce::Created,
+                AttachAsk {
+                    mode: creator.mode,
+                    last_seq: 0,
+                    compact: false,
+                    req: creator.req,
+                    announce: Announce::Created,
+                },
             );
         }
         let mut fallen_behind = Vec::new();
@@ -133,7 +136,7 @@ impl State {
         }
         for (conn_id, from) in fallen_behind {
             debug!(conversation = %self.id, connection = conn_id, from, "connection fell behind; catching up from the log");
-            self.spawn_catch_up(myself, conn_id, from, None);
+            self.spawn_catch_up(myself, conn_id, from, None, None);
         }
         while self
             .deferred

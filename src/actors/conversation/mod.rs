@@ -12,6 +12,8 @@
 //! reaches the head. Replay and live delivery are the same path.
 
 mod attachments;
+
+use attachments::AttachAsk;
 mod history;
 mod lifecycle;
 mod store_failure;
@@ -35,10 +37,12 @@ use tracing::{debug, info, warn};
 use super::connection::{ConnId, ConnectionHandle, ConnectionMsg};
 use super::gauge::ConversationGauge;
 use super::outbound::QueueError;
-use super::replay::Replay;
+use super::replay::{Compact, Replay};
 use super::supervisor::SupervisorMsg;
 use crate::agent::AGENT_EVENT_CREDITS;
-use crate::agent::{Agent, AgentEvent, AgentOutput, AgentSession, EventSink, SessionContext};
+use crate::agent::{
+    Agent, AgentEvent, AgentOutput, AgentSession, EventSink, SessionContext, TurnRequest,
+};
 use crate::config::Config;
 use crate::event::{now_rfc3339, EventData, EventRecord, StartReason, ToolTarget, TurnStatus};
 use crate::metrics as m;
@@ -52,6 +56,8 @@ pub enum ConversationMsg {
         conn: ConnectionHandle,
         mode: Mode,
         last_seq: u64,
+        /// Protocol §11: a compact replay.
+        compact: bool,
         req: Option<ReqId>,
         announce: Announce,
     },
@@ -153,6 +159,8 @@ pub enum Origin {
     Restored {
         snapshot: Box<Snapshot>,
         reason: StartReason,
+        /// Protocol §11: an interrupted turn to run again first.
+        resume: Option<crate::recovery::InterruptedTurn>,
     },
 }
 
@@ -275,6 +283,8 @@ pub struct State {
     store_failure: Option<String>,
     /// Store failures in a row, for the retry's backoff.
     failed_attempts: u32,
+    /// Protocol §11: the interrupted turn the next turn runs again.
+    resume: Option<crate::recovery::InterruptedTurn>,
 }
 
 impl Actor for Conversation {
@@ -332,6 +342,7 @@ impl Actor for Conversation {
             epoch: 0,
             store_failure: None,
             failed_attempts: 0,
+            resume: None,
         };
         let max_close_delay = args.config.conversations.max_close_delay;
         match args.origin {
@@ -355,7 +366,11 @@ impl Actor for Conversation {
                 });
                 state.append(EventData::AgentStarted { reason });
             }
-            Origin::Restored { snapshot, reason } => {
+            Origin::Restored {
+                snapshot,
+                reason,
+                resume,
+            } => {
                 let Snapshot {
                     meta,
                     tail,
@@ -368,6 +383,15 @@ impl Actor for Conversation {
                 state.next_seq = meta.head_seq + 1;
                 state.committed = meta.head_seq;
                 state.refill_buffer(tail);
+                if let Some(turn) = resume {
+                    // Its message was answered by no turn that finished: it
+                    // goes first, before the messages queued after it.
+                    state.queue.push_back(QueuedMessage {
+                        seq: turn.message_seq,
+                        text: turn.text.clone(),
+                    });
+                    state.resume = Some(turn);
+                }
                 state.queue.extend(queued);
                 state.seen_msg_ids.extend(client_msg_ids);
                 state.last_turn_message_seq = meta.last_turn_message_seq;
@@ -402,9 +426,20 @@ impl Actor for Conversation {
                 conn,
                 mode,
                 last_seq,
+                compact,
                 req,
                 announce,
-            } => state.attach(&myself, conn, mode, last_seq, req, announce),
+            } => state.attach(
+                &myself,
+                conn,
+                AttachAsk {
+                    mode,
+                    last_seq,
+                    compact,
+                    req,
+                    announce,
+                },
+            ),
             ConversationMsg::Detach { conn, req } => state.detach(conn, req),
             ConversationMsg::UserMessage {
                 conn,

@@ -217,7 +217,7 @@ impl State {
                 .map(|(id, _)| *id)
                 .collect();
             for conn in live {
-                self.spawn_catch_up(myself, conn, previous + 1, None);
+                self.spawn_catch_up(myself, conn, previous + 1, None, None);
             }
         }
         self.queue = snapshot.queued.iter().cloned().collect();

@@ -57,9 +57,18 @@ impl State {
         };
         let turn_id: Arc<str> = Arc::from(format!("t_{}", ulid::Ulid::new()));
         self.last_turn_message_seq = message.seq;
+        let resumed_from = self
+            .resume
+            .take_if(|r| r.message_seq == message.seq)
+            .map(|r| r.turn_id);
+        if let Some(old) = &resumed_from {
+            info!(conversation = %self.id, user = %self.user, turn = %turn_id, resumed_from = %old,
+                "running an interrupted turn again (agent.resume_interrupted)");
+        }
         self.append(EventData::TurnStarted {
             turn_id: turn_id.to_string(),
             message_seq: message.seq,
+            resumed_from: resumed_from.clone(),
         });
         let timeout =
             ractor::time::send_after(self.config.agent.turn_timeout, myself.get_cell(), {
@@ -75,7 +84,11 @@ impl State {
             pending_calls: Vec::new(),
             timeout,
         });
-        self.session.start_turn(turn_id, message.text);
+        self.session.start_turn(TurnRequest {
+            turn_id,
+            text: message.text,
+            resumed: resumed_from.is_some(),
+        });
     }
 
     pub(super) fn end_turn(

@@ -24,8 +24,14 @@ const QUOTE_CHARS: usize = 64;
 #[derive(Debug, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub(super) enum ToAgent<'a> {
-    /// `{"type":"turn","turn_id","text"}`: work on this message.
-    Turn { turn_id: &'a str, text: &'a str },
+    /// `{"type":"turn","turn_id","text"}`: work on this message;
+    /// `"resumed": true` when it re-runs an interrupted turn (protocol §11).
+    Turn {
+        turn_id: &'a str,
+        text: &'a str,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        resumed: bool,
+    },
     /// `{"type":"tool_result","call_id","output","is_error"}`: the client's
     /// answer to a `tool_call` of the current turn.
     ToolResult {
@@ -435,9 +441,18 @@ mod tests {
         assert_eq!(
             line(ToAgent::Turn {
                 turn_id: "t1",
-                text: "two\nlines"
+                text: "two\nlines",
+                resumed: false,
             }),
             json!({"type": "turn", "turn_id": "t1", "text": "two\nlines"})
+        );
+        assert_eq!(
+            line(ToAgent::Turn {
+                turn_id: "t2",
+                text: "again",
+                resumed: true,
+            }),
+            json!({"type": "turn", "turn_id": "t2", "text": "again", "resumed": true})
         );
         assert_eq!(
             line(ToAgent::ToolResult {

@@ -24,7 +24,7 @@ use super::line::ToAgent;
 use super::process::{
     close_process, describe_exit, kill_process, Broken, Launch, LogCtx, Note, Proc,
 };
-use crate::agent::{AgentOutput, AgentSession, EventSink};
+use crate::agent::{AgentOutput, AgentSession, EventSink, TurnRequest};
 
 /// How long a stopped turn may take to finish before its process is killed
 /// (protocol §9).
@@ -36,10 +36,7 @@ const EXIT_EOF_GRACE: Duration = Duration::from_secs(5);
 
 /// What the session asks of its driver.
 enum Control {
-    Turn {
-        turn_id: Arc<str>,
-        text: String,
-    },
+    Turn(TurnRequest),
     ToolResult {
         call_id: String,
         output: Value,
@@ -83,12 +80,9 @@ impl CommandSession {
 }
 
 impl AgentSession for CommandSession {
-    fn start_turn(&mut self, turn_id: Arc<str>, text: String) {
-        let turn = Control::Turn {
-            turn_id: turn_id.clone(),
-            text,
-        };
-        if self.ctl.send(turn).is_err() {
+    fn start_turn(&mut self, turn: TurnRequest) {
+        let turn_id = turn.turn_id.clone();
+        if self.ctl.send(Control::Turn(turn)).is_err() {
             // The driver only ends after close: say so rather than leave the
             // turn to its timeout.
             self.events.emit_now(
@@ -201,7 +195,7 @@ struct Driver {
     proc: Option<Proc>,
     stopping: Option<Stopping>,
     /// A turn that waits for `stopping` to resolve.
-    pending: Option<(Arc<str>, String)>,
+    pending: Option<TurnRequest>,
 }
 
 impl Driver {
@@ -216,9 +210,7 @@ impl Driver {
         loop {
             match self.next_wake().await {
                 Wake::Control(Control::Close) => break,
-                Wake::Control(Control::Turn { turn_id, text }) => {
-                    self.begin_turn(turn_id, text).await
-                }
+                Wake::Control(Control::Turn(turn)) => self.begin_turn(turn).await,
                 Wake::Control(Control::ToolResult {
                     call_id,
                     output,
@@ -246,8 +238,8 @@ impl Driver {
                 Wake::ExitDeadline => self.discard(Discard::Exited),
             }
             if self.stopping.is_none() {
-                if let Some((turn_id, text)) = self.pending.take() {
-                    self.begin_turn(turn_id, text).await;
+                if let Some(turn) = self.pending.take() {
+                    self.begin_turn(turn).await;
                 }
             }
         }
@@ -281,9 +273,9 @@ impl Driver {
         }
     }
 
-    async fn begin_turn(&mut self, turn_id: Arc<str>, text: String) {
+    async fn begin_turn(&mut self, turn: TurnRequest) {
         if self.stopping.is_some() {
-            self.pending = Some((turn_id, text));
+            self.pending = Some(turn);
             return;
         }
         if let Some(old) = self.proc.as_ref().and_then(|p| p.turn.get()) {
@@ -292,7 +284,7 @@ impl Driver {
             // the old turn first.
             warn!(conversation = %self.conversation, turn = %old,
                 "a turn started while the agent still runs the previous one; stopping that");
-            self.pending = Some((turn_id, text));
+            self.pending = Some(turn);
             self.send_stop(old);
             return;
         }
@@ -312,7 +304,7 @@ impl Driver {
                 warn!(conversation = %self.conversation, user = %self.user, error = %e,
                     program = %self.launch.argv[0], "could not start the agent process");
                 self.events.emit_now(
-                    &turn_id,
+                    &turn.turn_id,
                     AgentOutput::Finished {
                         failed: Some(format!(
                             "could not start the agent process ({}): {e}",
@@ -324,11 +316,12 @@ impl Driver {
             }
         }
         if let Some(p) = self.proc.as_ref() {
-            p.turn.set(turn_id.clone());
+            p.turn.set(turn.turn_id.clone());
         }
         self.write(ToAgent::Turn {
-            turn_id: &turn_id,
-            text: &text,
+            turn_id: &turn.turn_id,
+            text: &turn.text,
+            resumed: turn.resumed,
         });
     }
 

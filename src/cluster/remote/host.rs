@@ -222,6 +222,7 @@ impl Host {
             conn: handle,
             mode,
             last_seq: request.last_seq,
+            compact: request.compact,
             req: request.req,
             announce: Announce::Attached,
         });

@@ -123,9 +123,10 @@ impl Actor for RemoteConversation {
                 conn,
                 mode,
                 last_seq,
+                compact,
                 req,
                 ..
-            } => state.attach(&myself, conn, mode, last_seq, req),
+            } => state.attach(&myself, conn, mode, last_seq, compact, req),
             ConversationMsg::Detach { conn, req } => {
                 let socket_gone = req.is_none();
                 state.command(conn, Command::Detach { req });
@@ -209,6 +210,7 @@ impl State {
         conn: ConnectionHandle,
         mode: Mode,
         last_seq: u64,
+        compact: bool,
         req: Option<ReqId>,
     ) {
         if let Some(old) = self.links.remove(&conn.id) {
@@ -224,6 +226,7 @@ impl State {
             user: conn.user.to_string(),
             mode,
             last_seq,
+            compact,
             req,
         };
         let detaching = Arc::new(AtomicBool::new(false));

@@ -15,6 +15,9 @@ pub struct AttachRequest {
     pub user: String,
     pub mode: Mode,
     pub last_seq: u64,
+    /// Protocol §11: a compact replay.
+    #[serde(default)]
+    pub compact: bool,
     pub req: Option<ReqId>,
 }
 

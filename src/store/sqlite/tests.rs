@@ -290,6 +290,7 @@ async fn snapshot_has_tail_queue_and_client_msg_ids() {
             3,
             now(),
             &EventData::TurnStarted {
+                resumed_from: None,
                 turn_id: "t_1".into(),
                 message_seq: 2,
             },
