@@ -154,6 +154,33 @@ impl Client {
         .await
     }
 
+    /// Sends `attach` and reads until its answer, within `within`: events
+    /// of an earlier attachment in between are skipped.
+    pub async fn attach_answer(
+        &mut self,
+        id: &str,
+        last_seq: u64,
+        within: Duration,
+    ) -> anyhow::Result<AttachAnswer> {
+        self.attach(id, last_seq).await?;
+        let deadline = tokio::time::Instant::now() + within;
+        // Bounded: an answer comes after at most a few stray frames.
+        for _ in 0..256 {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let text = self
+                .recv(left)
+                .await
+                .with_context(|| format!("waiting {within:?} for the answer to attach"))?;
+            let frame = parse(text.as_str())?;
+            match frame.ty.as_ref() {
+                "attached" => return Ok(AttachAnswer::Attached),
+                "detached" | "error" => return Ok(AttachAnswer::Refused(text.to_string())),
+                _ => {}
+            }
+        }
+        bail!("no answer to attach among 256 frames")
+    }
+
     /// Drops the connection without a close frame, as a lost network would
     /// (the kernel still ends the TCP connection).
     pub fn drop_abruptly(self) {
@@ -163,6 +190,14 @@ impl Client {
     pub async fn close(mut self) {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.ws.close(None)).await;
     }
+}
+
+/// What an `attach` was answered with.
+pub enum AttachAnswer {
+    /// `attached`.
+    Attached,
+    /// `detached` (`moved`: attach again) or `error`: the frame.
+    Refused(String),
 }
 
 pub fn parse(text: &str) -> anyhow::Result<Frame<'_>> {

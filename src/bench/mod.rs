@@ -6,6 +6,10 @@
 //! - [`storm`]: N clients drop at once mid-stream and resume at once.
 //! - [`idle`]: K idle active conversations, each with a connection: RSS.
 //! - [`replay`]: attach latency of a replay from the buffer and the store.
+//! - [`cluster`]: three nodes on a NATS JetStream cluster: streaming across
+//!   nodes, and the takeover of a killed node's conversations
+//!   ([`takeover`]); it spawns everything itself ([`nats`] for the NATS
+//!   servers), and is not part of `all` (it needs `nats-server`).
 //!
 //! With `--spawn` every scenario runs against a fresh `linger serve` (this
 //! binary, temporary store) and then against the `relay` binary (the
@@ -17,11 +21,14 @@
 //! by itself, with an error naming what did not arrive.
 
 mod client;
+mod cluster;
 mod idle;
+mod nats;
 mod replay;
 mod report;
 mod storm;
 mod streaming;
+mod takeover;
 mod target;
 
 use std::time::Duration;
@@ -83,6 +90,12 @@ pub enum Scenario {
     Idle(idle::IdleArgs),
     /// Attach latency of a 2,000-event replay from the buffer and the store.
     Replay(replay::ReplayArgs),
+    /// Three nodes sharing a 3-server NATS JetStream, all spawned: streaming
+    /// with each conversation created on one node and streamed through
+    /// another (beside one linger and the relay), then SIGKILL of a node
+    /// owning N conversations: time until each is recorded node_lost and
+    /// reattachable on a survivor.
+    Cluster(cluster::ClusterArgs),
     /// Every scenario with the parameters of BENCHMARKS.md.
     All,
 }
@@ -107,17 +120,20 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let mut reports = Vec::new();
     for scenario in scenarios {
-        let report = match scenario {
-            Scenario::Streaming(a) => streaming::run(&common, &a).await?,
-            Scenario::Storm(a) => storm::run(&common, &a).await?,
-            Scenario::Idle(a) => idle::run(&common, &a).await?,
-            Scenario::Replay(a) => replay::run(&common, &a).await?,
+        let these = match scenario {
+            Scenario::Streaming(a) => vec![streaming::run(&common, &a).await?],
+            Scenario::Storm(a) => vec![storm::run(&common, &a).await?],
+            Scenario::Idle(a) => vec![idle::run(&common, &a).await?],
+            Scenario::Replay(a) => vec![replay::run(&common, &a).await?],
+            Scenario::Cluster(a) => cluster::run(&common, &a).await?,
             Scenario::All => unreachable!("expanded above"),
         };
-        if !common.json {
-            println!("{}", report.table());
+        for report in these {
+            if !common.json {
+                println!("{}", report.table());
+            }
+            reports.push(report);
         }
-        reports.push(report);
     }
     if common.json {
         let all: Vec<_> = reports.iter().map(Report::json).collect();

@@ -1,5 +1,6 @@
-//! A scenario's figures for linger and the relay side by side, their ratio,
-//! and the aim each is held to; as a table or as JSON.
+//! A scenario's figures for linger (or a cluster of it) and the servers it
+//! is compared with, side by side, the ratio to the relay's, and the aim
+//! each is held to; as a table or as JSON.
 
 use std::fmt::Write as _;
 
@@ -63,6 +64,9 @@ impl Aim {
     }
 }
 
+/// One scenario's figures: the first run is the one the aims judge
+/// (`linger`, or `cluster`), the others are printed beside it; the ratio is
+/// the first run's value to the relay's.
 pub struct Report {
     pub scenario: String,
     pub params: Value,
@@ -71,34 +75,41 @@ pub struct Report {
 
 struct Row<'a> {
     measure: &'a Measure,
-    relay: Option<f64>,
+    /// The same figure of every other run, in order.
+    others: Vec<Option<f64>>,
     ratio: Option<f64>,
     met: Option<bool>,
 }
 
 impl Report {
+    fn others(&self) -> &[(Server, Vec<Measure>)] {
+        self.runs.get(1..).unwrap_or_default()
+    }
+
     fn rows(&self) -> Vec<Row<'_>> {
-        let linger = self
-            .runs
-            .iter()
-            .find(|(s, _)| *s == Server::Linger)
-            .map(|(_, m)| m.as_slice())
-            .unwrap_or_default();
+        let Some((subject, measures)) = self.runs.first() else {
+            return Vec::new();
+        };
         let relay = self
-            .runs
+            .others()
             .iter()
-            .find(|(s, _)| *s == Server::Relay)
-            .map(|(_, m)| m.as_slice());
-        linger
+            .position(|(s, _)| *s == Server::Relay && *subject != Server::Relay);
+        measures
             .iter()
             .map(|measure| {
-                let relay =
-                    relay.and_then(|r| r.iter().find(|m| m.name == measure.name).map(|m| m.value));
-                let ratio = relay.filter(|r| *r != 0.0).map(|r| measure.value / r);
+                let others: Vec<Option<f64>> = self
+                    .others()
+                    .iter()
+                    .map(|(_, ms)| ms.iter().find(|m| m.name == measure.name).map(|m| m.value))
+                    .collect();
+                let ratio = relay
+                    .and_then(|i| others[i])
+                    .filter(|r| *r != 0.0)
+                    .map(|r| measure.value / r);
                 let met = measure.aim.and_then(|a| a.met(measure.value, ratio));
                 Row {
                     measure,
-                    relay,
+                    others,
                     ratio,
                     met,
                 }
@@ -106,14 +117,27 @@ impl Report {
             .collect()
     }
 
+    /// The columns: every run's server, and the relay's even when it did
+    /// not run (`--no-relay`), so that tables keep one layout.
+    fn columns(&self) -> Vec<&'static str> {
+        let mut columns: Vec<&'static str> = self.runs.iter().map(|(s, _)| s.name()).collect();
+        if self.runs.first().is_some_and(|(s, _)| *s == Server::Linger)
+            && !columns.contains(&Server::Relay.name())
+        {
+            columns.push(Server::Relay.name());
+        }
+        columns
+    }
+
     pub fn table(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "\n{}  {}", self.scenario, self.params);
-        let _ = writeln!(
-            out,
-            "  {:<34} {:>12} {:>12} {:>8}  aim",
-            "figure", "linger", "relay", "ratio"
-        );
+        let _ = write!(out, "  {:<34}", "figure");
+        for column in self.columns() {
+            let _ = write!(out, " {column:>12}");
+        }
+        let _ = writeln!(out, " {:>8}  aim", "ratio");
+        let width = self.columns().len();
         for row in self.rows() {
             let m = row.measure;
             let unit = if m.unit.is_empty() {
@@ -121,12 +145,19 @@ impl Report {
             } else {
                 format!(" ({})", m.unit)
             };
+            let _ = write!(
+                out,
+                "  {:<34} {:>12}",
+                format!("{}{unit}", m.name),
+                num(m.value)
+            );
+            for i in 0..width - 1 {
+                let value = row.others.get(i).copied().flatten();
+                let _ = write!(out, " {:>12}", value.map(num).unwrap_or_else(|| "-".into()));
+            }
             let _ = writeln!(
                 out,
-                "  {:<34} {:>12} {:>12} {:>8}  {:<18} {}",
-                format!("{}{unit}", m.name),
-                num(m.value),
-                row.relay.map(num).unwrap_or_else(|| "-".into()),
+                " {:>8}  {:<18} {}",
                 row.ratio
                     .map(|r| format!("{r:.2}x"))
                     .unwrap_or_else(|| "-".into()),
@@ -142,20 +173,25 @@ impl Report {
     }
 
     pub fn json(&self) -> Value {
+        let columns = self.columns();
         let figures: Vec<Value> = self
             .rows()
             .iter()
             .map(|row| {
                 let m = row.measure;
-                json!({
-                    "name": m.name,
-                    "unit": m.unit,
-                    "linger": m.value,
-                    "relay": row.relay,
-                    "ratio": row.ratio,
-                    "aim": m.aim.map(|a| a.text(m.unit)),
-                    "met": row.met,
-                })
+                let mut figure = json!({ "name": m.name, "unit": m.unit });
+                for (i, column) in columns.iter().enumerate() {
+                    let value = if i == 0 {
+                        Some(m.value)
+                    } else {
+                        row.others.get(i - 1).copied().flatten()
+                    };
+                    figure[*column] = json!(value);
+                }
+                figure["ratio"] = json!(row.ratio);
+                figure["aim"] = json!(m.aim.map(|a| a.text(m.unit)));
+                figure["met"] = json!(row.met);
+                figure
             })
             .collect();
         json!({

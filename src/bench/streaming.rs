@@ -2,6 +2,9 @@
 //! each asking the demo agent for `/stream T MS` at the same moment. What it
 //! reports: delivered events/s, end-to-end latency (the event's `ts` to its
 //! receipt), the server's CPU seconds per 100,000 events and peak RSS.
+//!
+//! The same machinery drives a cluster ([`Placement`]): conversations spread
+//! over several servers, each created on one and streamed through another.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +15,7 @@ use indicatif::ProgressBar;
 use serde_json::json;
 use tokio::sync::{mpsc, watch, Semaphore};
 
-use super::client::{parse, Client, Latencies, SeqCheck};
+use super::client::{parse, AttachAnswer, Client, Latencies, SeqCheck};
 use super::{
     collect_ready, join_all, ms, progress, Aim, Common, Measure, ProcStats, Report, Target,
 };
@@ -82,6 +85,8 @@ impl StreamingArgs {
 struct Outcome {
     events: u64,
     seq: SeqCheck,
+    /// `detached {reason: "moved"}` received (and attached again).
+    moved: u64,
     finished: Option<Instant>,
     error: Option<String>,
 }
@@ -107,11 +112,62 @@ pub async fn run(common: &Common, args: &StreamingArgs) -> anyhow::Result<Report
     })
 }
 
-async fn run_one(
+/// Where a run's conversations live and whose costs count.
+pub(crate) struct Placement {
+    /// The servers' websocket URLs: conversation `i` is created on
+    /// `urls[i % len]`.
+    pub urls: Vec<String>,
+    /// With more than one server: conversation `i` is streamed (`attach`,
+    /// `message`, events) through `urls[(i + 1) % len]` by a second
+    /// connection of the same user, the one that created it having closed.
+    pub across: bool,
+    /// The servers' processes: their CPU and peak RSS are summed.
+    pub pids: Vec<u32>,
+    /// Other processes whose CPU per event and peak RSS are reported under
+    /// their own name (the cluster's NATS servers).
+    pub helpers: Vec<(&'static str, Vec<u32>)>,
+}
+
+impl Placement {
+    pub fn single(target: &Target) -> Placement {
+        Placement {
+            urls: vec![target.url.clone()],
+            across: false,
+            pids: target.pid.into_iter().collect(),
+            helpers: Vec::new(),
+        }
+    }
+
+    /// (create on, stream through) for conversation `i`.
+    fn urls_of(&self, i: usize) -> (Option<String>, String) {
+        let k = self.urls.len().max(1);
+        if self.across && k > 1 {
+            (
+                Some(self.urls[i % k].clone()),
+                self.urls[(i + 1) % k].clone(),
+            )
+        } else {
+            (None, self.urls[i % k].clone())
+        }
+    }
+}
+
+pub(crate) async fn run_one(
     target: &Target,
     common: &Common,
     args: &StreamingArgs,
 ) -> anyhow::Result<Vec<Measure>> {
+    run_on(&Placement::single(target), common, args).await
+}
+
+pub(crate) async fn run_on(
+    placement: &Placement,
+    common: &Common,
+    args: &StreamingArgs,
+) -> anyhow::Result<Vec<Measure>> {
+    if placement.urls.is_empty() {
+        bail!("no server to stream from");
+    }
     let n = args.conversations;
     let text = format!("/stream {} {}", args.tokens, args.interval_ms());
     let (ready_tx, mut ready_rx) = mpsc::unbounded_channel();
@@ -135,8 +191,10 @@ async fn run_one(
         } else {
             Duration::from_millis(args.interval_ms()) * i as u32 / n as u32
         };
+        let (create_on, url) = placement.urls_of(i);
         let job = Job {
-            url: target.url.clone(),
+            url,
+            create_on,
             user: format!("u{i}"),
             text: text.clone(),
             tokens: args.tokens,
@@ -175,7 +233,12 @@ async fn run_one(
     events_bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
     events_bar.set_length((args.tokens + 4) * ready as u64);
     events_bar.reset_elapsed();
-    let server_before = target.stats();
+    let server_before = ProcStats::summed(&placement.pids);
+    let helpers_before: Vec<Option<ProcStats>> = placement
+        .helpers
+        .iter()
+        .map(|(_, p)| ProcStats::summed(p))
+        .collect();
     let me_before = ProcStats::me();
     let start = Instant::now();
     let _ = phase_tx.send(1);
@@ -188,7 +251,12 @@ async fn run_one(
             Ok(None) | Err(_) => break,
         }
     }
-    let server_after = target.stats();
+    let server_after = ProcStats::summed(&placement.pids);
+    let helpers_after: Vec<Option<ProcStats>> = placement
+        .helpers
+        .iter()
+        .map(|(_, p)| ProcStats::summed(p))
+        .collect();
     let me_after = ProcStats::me();
     events_bar.finish_and_clear();
     let _ = phase_tx.send(2);
@@ -206,6 +274,7 @@ async fn run_one(
     let events: u64 = outcomes.iter().map(|o| o.events).sum();
     let gaps: u64 = outcomes.iter().map(|o| o.seq.gaps).sum();
     let duplicates: u64 = outcomes.iter().map(|o| o.seq.duplicates).sum();
+    let moved: u64 = outcomes.iter().map(|o| o.moved).sum();
     let finished = outcomes.iter().filter(|o| o.finished.is_some()).count();
     if let Some(e) = outcomes.iter().find_map(|o| o.error.as_ref()) {
         eprintln!(
@@ -229,6 +298,7 @@ async fn run_one(
         Measure::new("latency max", "ms", ms(&h, 1.0)),
         Measure::new("gaps", "", gaps as f64).aim(Aim::AtMost(0.0)),
         Measure::new("duplicates", "", duplicates as f64).aim(Aim::AtMost(0.0)),
+        Measure::new("detached moved, attached again", "", moved as f64).aim(Aim::AtMost(0.0)),
     ];
     if let Some(cpu) = per_100k(server_before, server_after) {
         m.push(Measure::new("server CPU per 100k events", "s", cpu).aim(Aim::RatioAtMost(2.0)));
@@ -240,6 +310,27 @@ async fn run_one(
             after.hwm_kib as f64 / 1024.0,
         ));
     }
+    for (((name, _), before), after) in placement
+        .helpers
+        .iter()
+        .zip(helpers_before)
+        .zip(helpers_after)
+    {
+        if let Some(cpu) = per_100k(before, after) {
+            m.push(Measure::new(
+                format!("{name} CPU per 100k events"),
+                "s",
+                cpu,
+            ));
+        }
+        if let Some(after) = after {
+            m.push(Measure::new(
+                format!("{name} peak RSS"),
+                "MiB",
+                after.hwm_kib as f64 / 1024.0,
+            ));
+        }
+    }
     if let Some(cpu) = per_100k(me_before, me_after) {
         m.push(Measure::new("generator CPU per 100k events", "s", cpu));
     }
@@ -247,7 +338,10 @@ async fn run_one(
 }
 
 struct Job {
+    /// Where it streams.
     url: String,
+    /// Where it creates the conversation, when not where it streams.
+    create_on: Option<String>,
     user: String,
     text: String,
     tokens: u64,
@@ -268,9 +362,25 @@ impl Job {
     ) {
         let setup = async {
             let _permit = connecting.acquire().await?;
+            let Some(create_on) = &self.create_on else {
+                let mut client = Client::connect(&self.url, &self.user).await?;
+                let (id, head) = client.create(super::SETUP_TIMEOUT).await?;
+                return anyhow::Ok((client, id, head));
+            };
+            // Created on one server (which runs it), streamed through
+            // another: the creating connection goes away, as a client
+            // moving to another node would.
+            let mut creator = Client::connect(create_on, &self.user).await?;
+            let (id, head) = creator.create(super::SETUP_TIMEOUT).await?;
+            creator.close().await;
             let mut client = Client::connect(&self.url, &self.user).await?;
-            let (id, head) = client.create(super::SETUP_TIMEOUT).await?;
-            anyhow::Ok((client, id, head))
+            match client
+                .attach_answer(&id, head, super::SETUP_TIMEOUT)
+                .await?
+            {
+                AttachAnswer::Attached => Ok((client, id, head)),
+                AttachAnswer::Refused(frame) => bail!("attach refused: {frame}"),
+            }
         };
         let (mut client, id, head) = match setup.await {
             Ok(ok) => {
@@ -314,12 +424,27 @@ impl Job {
         client.message(id, &self.text).await?;
         let mut unreported = 0;
         // user_message, turn_started, T deltas, assistant_message,
-        // turn_finished, and the ack: bounded with room to spare.
-        for _ in 0..self.tokens + 64 {
+        // turn_finished, the ack, and a few moves: bounded with room to
+        // spare.
+        let bound = self.tokens + 64 + 4 * MAX_MOVES;
+        for _ in 0..bound {
             let text = client.recv(self.frame_wait).await?;
             let frame = parse(text.as_str())?;
-            if frame.ty == "error" {
-                bail!("error frame: {}", text.as_str());
+            if frame.ty == "detached" && outcome.moved < MAX_MOVES && is_moved(text.as_str()) {
+                // Cluster mode: the conversation's owner changed (protocol
+                // §10.2); attach again through the same node and resume
+                // after the last seq seen, as a client must.
+                outcome.moved += 1;
+                match client
+                    .attach_answer(id, outcome.seq.last, self.frame_wait)
+                    .await?
+                {
+                    AttachAnswer::Attached => continue,
+                    AttachAnswer::Refused(frame) => bail!("attach after a move refused: {frame}"),
+                }
+            }
+            if frame.ty == "error" || frame.ty == "detached" {
+                bail!("{} frame: {}", frame.ty, text.as_str());
             }
             if !frame.is_event() {
                 continue;
@@ -342,6 +467,14 @@ impl Job {
                 return Ok(());
             }
         }
-        bail!("no turn_finished after {} frames", self.tokens + 64)
+        bail!("no turn_finished after {bound} frames")
     }
+}
+
+/// Most `detached moved` one stream resumes from.
+const MAX_MOVES: u64 = 8;
+
+/// Whether a `detached` frame says `moved`.
+fn is_moved(text: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(text).is_ok_and(|v| v["reason"] == "moved")
 }

@@ -19,6 +19,20 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum Server {
     Linger,
     Relay,
+    /// `linger serve` as one node of a cluster (`cluster.mode = "nats"`,
+    /// given by the overrides); a report's column for the whole cluster.
+    Cluster,
+}
+
+impl Server {
+    /// Its column in a report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Server::Linger => "linger",
+            Server::Relay => "relay",
+            Server::Cluster => "cluster",
+        }
+    }
 }
 
 pub struct Target {
@@ -61,6 +75,21 @@ impl ProcStats {
         })
     }
 
+    /// Several processes, summed (none if one is gone).
+    pub fn summed(pids: &[u32]) -> Option<ProcStats> {
+        if pids.is_empty() {
+            return None;
+        }
+        pids.iter().try_fold(ProcStats::default(), |sum, pid| {
+            let s = ProcStats::read(*pid)?;
+            Some(ProcStats {
+                cpu_secs: sum.cpu_secs + s.cpu_secs,
+                rss_kib: sum.rss_kib + s.rss_kib,
+                hwm_kib: sum.hwm_kib + s.hwm_kib,
+            })
+        })
+    }
+
     /// This process (the generator).
     pub fn me() -> Option<ProcStats> {
         ProcStats::read(std::process::id())
@@ -84,6 +113,7 @@ impl Target {
             (true, _) => "server",
             (false, Server::Linger) => "linger",
             (false, Server::Relay) => "relay",
+            (false, Server::Cluster) => "cluster node",
         }
     }
 
@@ -107,7 +137,7 @@ impl Target {
         ));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let mut cmd = match server {
-            Server::Linger => {
+            Server::Linger | Server::Cluster => {
                 let config = dir.join("bench.toml");
                 std::fs::write(&config, "")?;
                 let mut cmd = Command::new(&exe);
@@ -187,6 +217,28 @@ impl Target {
             child: Some(child),
             dir: Some(dir),
         })
+    }
+
+    /// The HTTP base of its REST API (`http://127.0.0.1:PORT`).
+    pub fn http_base(&self) -> String {
+        let base = self.url.strip_suffix("/v1/ws").unwrap_or(&self.url);
+        base.replacen("ws://", "http://", 1)
+    }
+
+    /// SIGKILLs a spawned server and reaps it (within 10 s); its directory
+    /// stays until [`Target::stop`].
+    pub async fn kill(&mut self) -> anyhow::Result<()> {
+        let child = self
+            .child
+            .as_mut()
+            .ok_or_else(|| anyhow!("only a spawned server can be killed"))?;
+        child.start_kill().context("killing the server")?;
+        tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .map_err(|_| anyhow!("the killed server was not gone within 10 s"))??;
+        self.child = None;
+        self.pid = None;
+        Ok(())
     }
 
     /// Kills a spawned server and removes its directory (set
