@@ -140,18 +140,17 @@ impl Ownership {
         if self.owns(conversation) {
             return Ok(Claim::Owned);
         }
-        let mut own_stale = 0;
+        // A lease of ours that we do not hold is either being given back
+        // (a stop or a takeover's close a moment ago) or left by this
+        // node's earlier run; either is gone within lease_ttl.
+        let own_deadline = tokio::time::Instant::now() + self.lease_ttl + Duration::from_secs(1);
         let mut attempts = 0;
         while attempts < 3 {
             if let Some(holder) = self.leases.holder(conversation).await? {
                 if holder.node != self.node() {
                     return Ok(Claim::Elsewhere(holder.node));
                 }
-                // Ours, not held: being given back (a stop a moment ago),
-                // or held by this node's earlier run (same node_id,
-                // restarted within lease_ttl).
-                own_stale += 1;
-                if own_stale > 20 {
+                if tokio::time::Instant::now() >= own_deadline {
                     return Err(StoreError::Unavailable(format!(
                         "{conversation}: this node's earlier run still holds its lease; \
                          it expires within cluster.lease_ttl"
