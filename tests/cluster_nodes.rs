@@ -798,6 +798,27 @@ async fn reject_mode_counts_every_node() {
     );
 }
 
+/// Sends a message until it is acked: while the store recovers, only
+/// `store_unavailable` refusals are allowed, and only until `deadline`.
+async fn send_until_accepted(
+    client: &mut Client,
+    id: &str,
+    text: &str,
+    deadline: Instant,
+) -> Value {
+    loop {
+        let reply = client
+            .request(serde_json::json!({"type": "message", "conversation_id": id, "text": text}))
+            .await;
+        if reply["type"] == "ack" {
+            return reply;
+        }
+        assert_eq!(reply["code"], "store_unavailable", "{reply}");
+        assert!(Instant::now() < deadline, "still refused: {reply}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// Protocol §10.6: with NATS gone, a request that needs an append gets
 /// `store_unavailable` and `/healthz` answers 503; once NATS is back the
 /// service resumes by itself, and seq goes on contiguous.
@@ -836,17 +857,7 @@ async fn nats_gone_is_store_unavailable_then_service_resumes() {
     }
     // The conversation retries with backoff: a message may still be
     // refused for a moment after /healthz turned good.
-    let ack = loop {
-        let reply = client
-            .request(serde_json::json!({"type": "message", "conversation_id": id, "text": "after"}))
-            .await;
-        if reply["type"] == "ack" {
-            break reply;
-        }
-        assert_eq!(reply["code"], "store_unavailable", "{reply}");
-        assert!(Instant::now() < deadline, "still refused: {reply}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    let ack = send_until_accepted(&mut client, &id, "after", deadline).await;
     let (history, _) = node
         .wait_for_history(&id, "the turn after NATS came back", RECV_TIMEOUT, |h| {
             h.iter().any(|e| {
@@ -880,18 +891,8 @@ async fn one_nats_server_of_three_lost_the_service_goes_on() {
     let mut on_b = cluster.nodes[1].connect(USER).await;
     let (_, _) = resume(&mut on_b, &id, 0).await;
     let deadline = Instant::now() + RECV_TIMEOUT;
-    let ack = loop {
-        let reply = on_b
-            .request(serde_json::json!({"type": "message", "conversation_id": id, "text": "after"}))
-            .await;
-        if reply["type"] == "ack" {
-            break reply;
-        }
-        // A leader election may refuse an append for a moment.
-        assert_eq!(reply["code"], "store_unavailable", "{reply}");
-        assert!(Instant::now() < deadline, "still refused: {reply}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    // A leader election may refuse an append for a moment.
+    let ack = send_until_accepted(&mut on_b, &id, "after", deadline).await;
     let message_seq = ack["seq"].as_u64().expect("a seq");
     let seen = read_turn_of(&mut on_b, &id, message_seq).await;
     assert_contiguous(&seen, message_seq);
