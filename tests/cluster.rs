@@ -392,11 +392,14 @@ async fn append(
     rx.await.expect("the append is answered")
 }
 
-#[tokio::test]
-async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation() {
+/// One NATS server and two nodes' stores on it (the server lives as long
+/// as the first value).
+async fn two_nodes_stores() -> (
+    Nats,
+    linger::cluster::store::NatsStore,
+    linger::cluster::store::NatsStore,
+) {
     use linger::cluster::store::NatsStore;
-    use linger::protocol::Status;
-    use linger::store::{Store, StoreError};
     let nats = Nats::single().await;
     let c = cluster(
         nats.urls(),
@@ -405,6 +408,14 @@ async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation()
     .await;
     let one = NatsStore::open(&c, "node-1").await.unwrap();
     let two = NatsStore::open(&c, "node-2").await.unwrap();
+    (nats, one, two)
+}
+
+#[tokio::test]
+async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation() {
+    use linger::protocol::Status;
+    use linger::store::{Store, StoreError};
+    let (_nats, one, two) = two_nodes_stores().await;
 
     // Not owned here: refused.
     assert!(matches!(
@@ -455,4 +466,73 @@ async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation()
     assert!(one.events("c_s", 0, 10).await.unwrap().is_empty());
     assert!(one.list(Some("alice")).await.unwrap().is_empty());
     assert!(!two.delete("c_s").await.unwrap());
+}
+
+/// Appends queued while one is in flight are merged into one publish, and
+/// a summary whose head alone moved is written within a second, while a
+/// change of status is written with its commit.
+#[tokio::test]
+async fn queued_appends_are_merged_and_the_summary_catches_up() {
+    use linger::protocol::Status;
+    use linger::store::Store;
+    let (_nats, one, two) = two_nodes_stores().await;
+    assert_eq!(one.take_over("c_m", 1).await.unwrap(), 0);
+    append(&one, batch("c_m", 1, 1, true, Status::Idle))
+        .await
+        .unwrap();
+
+    let mut answers = Vec::new();
+    for seq in 2..=201 {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        one.append(
+            batch("c_m", seq, 1, false, Status::Idle),
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        answers.push(rx);
+    }
+    for rx in answers {
+        rx.await.expect("answered").expect("committed");
+    }
+    let head = one.log().head("c_m").await.unwrap();
+    assert_eq!(head.seq, 201);
+    // The fence, the first append, then far fewer messages than appends.
+    assert!(
+        head.stream_seq < 100,
+        "200 queued appends took {} messages",
+        head.stream_seq - 2
+    );
+    let all = two.events("c_m", 0, 1000).await.unwrap();
+    assert_eq!(
+        all.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (1..=201).collect::<Vec<_>>()
+    );
+
+    // Any node's `get` has the head from the log at once; the stored
+    // summary catches up by itself.
+    assert_eq!(two.get("c_m").await.unwrap().unwrap().head_seq, 201);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed = two.list(Some("alice")).await.unwrap();
+        if listed.first().map(|m| m.head_seq) == Some(201) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the summary's head stayed at {:?}",
+            listed.first().map(|m| m.head_seq)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A change of status is stored with its commit.
+    append(&one, batch("c_m", 202, 1, false, Status::Running))
+        .await
+        .unwrap();
+    let listed = two.list(Some("alice")).await.unwrap();
+    assert_eq!(
+        (listed[0].status, listed[0].head_seq),
+        (Status::Running, 202)
+    );
 }

@@ -186,23 +186,20 @@ impl Leases {
         .await
     }
 
-    /// Who holds a live lease on the conversation, if anyone.
+    /// Who holds a live lease on the conversation, if anyone, as the
+    /// bucket's leader has it (a follower may not have seen a claim yet).
     pub async fn holder(&self, conversation: &str) -> Result<Option<Holder>, ClusterError> {
         check_token(conversation)?;
-        let value = with_deadline(
+        let value = super::leader_entry(
+            &self.kv,
+            conversation,
             self.cluster.options.op_timeout,
             "reading a lease",
-            || async {
-                self.kv
-                    .get(conversation)
-                    .await
-                    .map_err(|e| ClusterError::Unavailable(e.to_string()))
-            },
         )
         .await?;
         match value {
             None => Ok(None),
-            Some(v) => serde_json::from_slice(&v)
+            Some((v, _)) => serde_json::from_slice(&v)
                 .map(Some)
                 .map_err(|e| ClusterError::Corrupt(format!("lease {conversation}: {e}"))),
         }

@@ -280,8 +280,7 @@ impl EventLog {
                 )));
             }
         }
-        let max = (self.cluster.client.server_info().max_payload).saturating_sub(HEADER_ROOM);
-        for chunk in chunks(events, max.max(1))? {
+        for chunk in chunks(events, self.max_message())? {
             let first = fence.head_seq + 1;
             let last = fence.head_seq + chunk.count;
             let stream_seq = self
@@ -291,6 +290,13 @@ impl EventLog {
             fence.head_seq = last;
         }
         Ok(())
+    }
+
+    /// The most bytes of events one message of the log holds (the
+    /// server's `max_payload`, less room for headers).
+    pub fn max_message(&self) -> usize {
+        let max = self.cluster.client.server_info().max_payload;
+        max.saturating_sub(HEADER_ROOM).max(1)
     }
 
     async fn publish_group(

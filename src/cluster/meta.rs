@@ -11,7 +11,10 @@
 //! so the index lists live conversations only.
 //!
 //! The summary is derived state: the log is the truth for history and
-//! head. Writes are compare-and-set on the KV revision and never go back:
+//! head. Its owner writes it with the commit that changed whether the
+//! conversation runs, its turn or its queued messages, and otherwise (the
+//! head and last activity) at most once a second (see `store`). Reads go
+//! to the bucket's leader. Writes are compare-and-set on the KV revision and never go back:
 //! a write from an older `(term, head_seq)` than the stored one is dropped,
 //! so a fenced-out owner that wakes up cannot roll the summary back.
 
@@ -77,6 +80,12 @@ impl Stored {
     }
 }
 
+fn encode(stored: &Stored) -> Result<bytes::Bytes, ClusterError> {
+    serde_json::to_vec(stored)
+        .map(Into::into)
+        .map_err(|e| ClusterError::Corrupt(e.to_string()))
+}
+
 /// Any text as a subject token: lower-case hex of its bytes.
 pub(crate) fn user_token(user: &str) -> String {
     user.bytes().map(|b| format!("{b:02x}")).collect()
@@ -110,24 +119,20 @@ impl Summaries {
 
     async fn entry(&self, id: &str) -> Result<Option<(Stored, u64)>, ClusterError> {
         let key = format!("c.{}", check_token(id)?);
-        let entry = with_deadline(
+        let entry = super::leader_entry(
+            &self.kv,
+            &key,
             self.cluster.options.op_timeout,
             "reading a summary",
-            || async {
-                self.kv
-                    .entry(key.clone())
-                    .await
-                    .map_err(|e| ClusterError::Unavailable(e.to_string()))
-            },
         )
         .await?;
         match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let stored: Stored = serde_json::from_slice(&e.value)
+            Some((value, revision)) => {
+                let stored: Stored = serde_json::from_slice(&value)
                     .map_err(|err| ClusterError::Corrupt(format!("summary {id}: {err}")))?;
-                Ok(Some((stored, e.revision)))
+                Ok(Some((stored, revision)))
             }
-            _ => Ok(None),
+            None => Ok(None),
         }
     }
 
@@ -135,65 +140,57 @@ impl Summaries {
         Ok(self.entry(id).await?.map(|(s, _)| s.into_meta()))
     }
 
+    /// The summary with its revision, for a writer that goes on to
+    /// [`Summaries::put`] it.
+    pub async fn get_with_revision(
+        &self,
+        id: &str,
+    ) -> Result<Option<(ConversationMeta, u64)>, ClusterError> {
+        Ok(self.entry(id).await?.map(|(s, r)| (s.into_meta(), r)))
+    }
+
     /// Writes the summary unless a newer one (higher term, or same term and
-    /// higher head) is stored. `change` may adjust it against what is
-    /// stored (e.g. keep observers added meanwhile).
-    pub async fn put(&self, meta: &ConversationMeta, term: u64) -> Result<(), ClusterError> {
+    /// higher head) is stored; observers added meanwhile by any node are
+    /// kept. `last` is the revision this writer wrote (or read) last: the
+    /// write is then one conditional update, no read, unless someone else
+    /// wrote in between. Without `last` the summary may be created; with
+    /// it, a summary found missing was deleted and is not brought back.
+    /// Returns the revision written, `None` when nothing was written;
+    /// `meta.observers` gains the observers found stored.
+    pub async fn put(
+        &self,
+        meta: &mut ConversationMeta,
+        term: u64,
+        last: Option<u64>,
+    ) -> Result<Option<u64>, ClusterError> {
         let key = format!("c.{}", check_token(&meta.id)?);
-        let index = format!("u.{}.{}", user_token(&meta.user), meta.id);
+        if let Some(revision) = last {
+            let value = encode(&Stored::from_meta(meta, term))?;
+            if let Some(written) = self.write(&key, value, revision).await? {
+                return Ok(Some(written));
+            }
+        }
         for _ in 0..16 {
             let current = self.entry(&meta.id).await?;
-            let mut next = Stored::from_meta(meta, term);
             let revision = match &current {
-                Some((old, _)) if (old.term, old.head_seq) > (term, meta.head_seq) => return Ok(()),
+                Some((old, _)) if (old.term, old.head_seq) > (term, meta.head_seq) => {
+                    return Ok(None)
+                }
                 Some((old, rev)) => {
-                    // Observers are added by any node; keep the union.
                     for o in &old.observers {
-                        if !next.observers.contains(o) {
-                            next.observers.push(o.clone());
+                        if !meta.observers.contains(o) {
+                            meta.observers.push(o.clone());
                         }
                     }
                     *rev
                 }
+                None if last.is_some() => return Ok(None),
                 None => 0,
             };
-            let value: bytes::Bytes = serde_json::to_vec(&next)
-                .map_err(|e| ClusterError::Corrupt(e.to_string()))?
-                .into();
-            let written = with_deadline(
-                self.cluster.options.op_timeout,
-                "writing a summary",
-                || async {
-                    let r = if revision == 0 {
-                        self.kv.create(&key, value.clone()).await.map_err(|e| {
-                            if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                                None
-                            } else {
-                                Some(e.to_string())
-                            }
-                        })
-                    } else {
-                        self.kv
-                            .update(&key, value.clone(), revision)
-                            .await
-                            .map_err(|e| {
-                                if e.kind() == UpdateErrorKind::WrongLastRevision {
-                                    None
-                                } else {
-                                    Some(e.to_string())
-                                }
-                            })
-                    };
-                    match r {
-                        Ok(_) => Ok(true),
-                        Err(None) => Ok(false),
-                        Err(Some(why)) => Err(ClusterError::Unavailable(why)),
-                    }
-                },
-            )
-            .await?;
-            if written {
+            let next = encode(&Stored::from_meta(meta, term))?;
+            if let Some(written) = self.write(&key, next, revision).await? {
                 if revision == 0 {
+                    let index = format!("u.{}.{}", user_token(&meta.user), meta.id);
                     with_deadline(
                         self.cluster.options.op_timeout,
                         "indexing a summary",
@@ -207,13 +204,47 @@ impl Summaries {
                     )
                     .await?;
                 }
-                return Ok(());
+                return Ok(Some(written));
             }
         }
         Err(ClusterError::Unavailable(format!(
             "summary {}: too many concurrent writers",
             meta.id
         )))
+    }
+
+    /// One compare-and-set write (`revision` 0: create); the new revision,
+    /// or `None` when the stored revision was another.
+    async fn write(
+        &self,
+        key: &str,
+        value: bytes::Bytes,
+        revision: u64,
+    ) -> Result<Option<u64>, ClusterError> {
+        with_deadline(
+            self.cluster.options.op_timeout,
+            "writing a summary",
+            || async {
+                let r = if revision == 0 {
+                    self.kv.create(key, value.clone()).await.map_err(|e| {
+                        (e.kind() != kv::CreateErrorKind::AlreadyExists).then(|| e.to_string())
+                    })
+                } else {
+                    self.kv
+                        .update(key, value.clone(), revision)
+                        .await
+                        .map_err(|e| {
+                            (e.kind() != UpdateErrorKind::WrongLastRevision).then(|| e.to_string())
+                        })
+                };
+                match r {
+                    Ok(written) => Ok(Some(written)),
+                    Err(None) => Ok(None),
+                    Err(Some(why)) => Err(ClusterError::Unavailable(why)),
+                }
+            },
+        )
+        .await
     }
 
     /// Lets `user` observe the conversation (any node may call this).
@@ -227,22 +258,11 @@ impl Summaries {
                 return Ok(());
             }
             stored.observers.push(user.to_owned());
-            let value: bytes::Bytes = serde_json::to_vec(&stored)
-                .map_err(|e| ClusterError::Corrupt(e.to_string()))?
-                .into();
-            let written = with_deadline(
-                self.cluster.options.op_timeout,
-                "adding an observer",
-                || async {
-                    match self.kv.update(&key, value.clone(), revision).await {
-                        Ok(_) => Ok(true),
-                        Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(false),
-                        Err(e) => Err(ClusterError::Unavailable(e.to_string())),
-                    }
-                },
-            )
-            .await?;
-            if written {
+            if self
+                .write(&key, encode(&stored)?, revision)
+                .await?
+                .is_some()
+            {
                 return Ok(());
             }
         }

@@ -160,6 +160,41 @@ where
     }
 }
 
+/// A key's value and revision as the bucket's stream leader has them
+/// (`None`: never written, deleted, purged or aged out). Not
+/// `kv::Store::entry`: on buckets with direct gets (every bucket
+/// `async-nats` creates) that may be answered by a follower that has not
+/// yet applied the latest write, so a summary written a moment ago on
+/// another node could read as missing, or a lease as free.
+pub(crate) async fn leader_entry(
+    kv: &async_nats::jetstream::kv::Store,
+    key: &str,
+    timeout: Duration,
+    what: &str,
+) -> Result<Option<(bytes::Bytes, u64)>, ClusterError> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let subject = format!("{}{key}", kv.prefix);
+    let got = with_deadline(timeout, what, || async {
+        match kv.stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => Ok(Some(m)),
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(ClusterError::Unavailable(e.to_string())),
+        }
+    })
+    .await?;
+    let Some(message) = got else {
+        return Ok(None);
+    };
+    // A put carries no operation header; deletes and purges say so, and a
+    // key that aged out leaves a marker naming the reason.
+    let removed = message
+        .headers
+        .get("KV-Operation")
+        .is_some_and(|op| op.as_str() != "PUT")
+        || message.headers.get("Nats-Marker-Reason").is_some();
+    Ok((!removed).then_some((message.payload, message.sequence)))
+}
+
 /// The keys of a KV bucket matching `pattern` (e.g. `u.<hex user>.*`),
 /// from the stream's subject index: no scan of values. A deleted key's
 /// marker is listed too until it ages out, so callers read each key.

@@ -18,10 +18,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use tokio::sync::{mpsc, watch};
+use tracing::warn;
 
 use super::log::{EventLog, Fence};
 use super::meta::Summaries;
@@ -71,8 +72,8 @@ impl NatsStore {
     /// fences earlier owners out, and returns the head seq (appends go on
     /// from head + 1). For a new conversation the head is 0.
     pub async fn take_over(&self, conversation: &str, term: u64) -> Result<u64, StoreError> {
-        let known = self.summaries.get(conversation).await?;
-        let floor = known.as_ref().map_or(0, |m| m.head_seq);
+        let known = self.summaries.get_with_revision(conversation).await?;
+        let floor = known.as_ref().map_or(0, |(m, _)| m.head_seq);
         let fence = self
             .log
             .take_over(conversation, term, &self.node, floor)
@@ -81,9 +82,8 @@ impl NatsStore {
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(writer(
             self.log.clone(),
-            self.summaries.clone(),
+            SummaryWriter::new(self.summaries.clone(), known),
             fence,
-            known,
             rx,
             self.pending.clone(),
         ));
@@ -103,42 +103,189 @@ impl NatsStore {
     }
 }
 
-/// Commits one conversation's appends in order: the events (fenced), then
-/// its summary.
+/// Most events one merged commit holds (see [`writer`]).
+const MERGE_MAX_EVENTS: usize = 1024;
+
+/// How long a summary may lag the log when only its head and last
+/// activity changed (see [`SummaryWriter`]).
+const SUMMARY_LAG: Duration = Duration::from_secs(1);
+
+/// Commits one conversation's appends in order. Appends that queued while
+/// the previous commit was in flight are merged into one: one fenced
+/// publish and at most one summary write for all of them, which is what
+/// keeps a busy node's NATS round trips per event falling as load rises.
 async fn writer(
     log: EventLog,
-    summaries: Summaries,
+    mut summary: SummaryWriter,
     mut fence: Fence,
-    mut meta: Option<ConversationMeta>,
     mut queue: mpsc::UnboundedReceiver<Job>,
     pending: Arc<watch::Sender<usize>>,
 ) {
     let mut fenced: Option<StoreError> = None;
-    while let Some((batch, done)) = queue.recv().await {
+    loop {
+        let due = summary.due();
+        let first = tokio::select! {
+            job = queue.recv() => job,
+            _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)),
+                if due.is_some() => {
+                summary.write().await;
+                continue;
+            }
+        };
+        let Some(first) = first else { break };
+        let mut rest = Vec::new();
+        let mut events = first.0.events.len();
+        let mut bytes = batch_bytes(&first.0);
+        // Half a message: merged appends stay one all-or-nothing publish.
+        let room = log.max_message() / 2;
+        while events < MERGE_MAX_EVENTS && bytes < room {
+            let Ok(job) = queue.try_recv() else { break };
+            events += job.0.events.len();
+            bytes += batch_bytes(&job.0);
+            rest.push(job);
+        }
+        let (batch, callbacks) = merge(first, rest);
         let result = match &fenced {
             Some(e) => Err(e.clone()),
-            None => commit(&log, &summaries, &mut fence, &mut meta, batch).await,
+            None => commit(&log, &mut summary, &mut fence, batch).await,
         };
         if let Err(e @ StoreError::Fenced { .. }) = &result {
             fenced = Some(e.clone());
         }
-        done(result);
-        pending.send_modify(|n| *n = n.saturating_sub(1));
+        for done in callbacks {
+            done(result.clone());
+            pending.send_modify(|n| *n = n.saturating_sub(1));
+        }
+    }
+    if fenced.is_none() {
+        summary.write().await;
     }
 }
 
+fn batch_bytes(batch: &AppendBatch) -> usize {
+    batch.events.iter().map(|e| e.frame.len()).sum()
+}
+
+/// Appends queued one after the other, as one: their events in order, the
+/// last one's state, the first one's creation (only a conversation's first
+/// append creates it).
+fn merge(first: Job, rest: Vec<Job>) -> (AppendBatch, Vec<CommitCallback>) {
+    let (mut merged, done) = first;
+    let mut callbacks = Vec::with_capacity(rest.len() + 1);
+    callbacks.push(done);
+    for (batch, done) in rest {
+        callbacks.push(done);
+        merged.events.extend(batch.events);
+        merged.client_msg_ids.extend(batch.client_msg_ids);
+        merged.state = batch.state;
+        if merged.create.is_none() {
+            merged.create = batch.create;
+        }
+    }
+    (merged, callbacks)
+}
+
+/// Commits the events (fenced), then brings the summary up to date. Once
+/// the log has the events they are committed, whatever the summary write
+/// does: the log is the truth, and a summary write that failed is retried.
 async fn commit(
     log: &EventLog,
-    summaries: &Summaries,
+    summary: &mut SummaryWriter,
     fence: &mut Fence,
-    meta: &mut Option<ConversationMeta>,
     batch: AppendBatch,
 ) -> Result<(), StoreError> {
-    if meta.is_none() {
+    summary.start(&batch)?;
+    let before = fence.head_seq;
+    if let Err(e) = log.append(fence, &batch.events).await {
+        if fence.head_seq != before {
+            // Part of it is stored (a group larger than one message): the
+            // actor would number its next events after what it believes is
+            // committed, which is no longer the head. Stopping here (as if
+            // moved) makes the next activation start from the log.
+            return Err(StoreError::Fenced {
+                conversation: fence.conversation.clone(),
+                term: fence.term,
+            });
+        }
+        return Err(e.into());
+    }
+    summary.committed(&batch, fence.term);
+    if summary.urgent() {
+        summary.write().await;
+    }
+    Ok(())
+}
+
+/// The parts of a summary that must never lag the log: whether the
+/// conversation runs (orphan detection), its turn, and where its queued
+/// messages start (what a takeover runs next).
+#[derive(Debug, Clone, PartialEq)]
+struct Decisive {
+    status: Status,
+    current_turn_id: Option<String>,
+    last_turn_message_seq: u64,
+}
+
+impl Decisive {
+    fn of(meta: &ConversationMeta) -> Decisive {
+        Decisive {
+            status: meta.status,
+            current_turn_id: meta.current_turn_id.clone(),
+            last_turn_message_seq: meta.last_turn_message_seq,
+        }
+    }
+}
+
+/// The owner's copy of a conversation's summary and its `client_msg_id`
+/// records, and when they must be written. A change of a [`Decisive`] part
+/// (or a new `client_msg_id`) is written with the commit that made it; a
+/// change of only the head and last activity waits up to [`SUMMARY_LAG`],
+/// so a streaming turn costs one summary write a second, not one per
+/// event (readers of the head ask the log, see `NatsStore::snapshot`).
+/// A write that fails is retried after the same lag.
+struct SummaryWriter {
+    summaries: Summaries,
+    term: u64,
+    meta: Option<ConversationMeta>,
+    /// The revision last written or read (`None`: not yet).
+    revision: Option<u64>,
+    /// What the stored summary says of the decisive parts.
+    stored: Option<Decisive>,
+    client_ids: Vec<(String, u64)>,
+    /// When the stored summary started lagging the owner's copy.
+    stale_since: Option<tokio::time::Instant>,
+    /// Written right away (set by a decisive change or new ids).
+    urgent: bool,
+}
+
+impl SummaryWriter {
+    fn new(summaries: Summaries, known: Option<(ConversationMeta, u64)>) -> SummaryWriter {
+        let (meta, revision) = match known {
+            Some((m, r)) => (Some(m), Some(r)),
+            None => (None, None),
+        };
+        SummaryWriter {
+            summaries,
+            term: 0,
+            stored: meta.as_ref().map(Decisive::of),
+            meta,
+            revision,
+            client_ids: Vec::new(),
+            stale_since: None,
+            urgent: false,
+        }
+    }
+
+    /// Checks the append can be summarized: the first append of a
+    /// conversation must create it.
+    fn start(&mut self, batch: &AppendBatch) -> Result<(), StoreError> {
+        if self.meta.is_some() {
+            return Ok(());
+        }
         let Some(create) = &batch.create else {
             return Err(StoreError::NotFound(batch.conversation_id.to_string()));
         };
-        *meta = Some(ConversationMeta {
+        self.meta = Some(ConversationMeta {
             id: batch.conversation_id.to_string(),
             user: create.user.clone(),
             title: create.title.clone(),
@@ -151,21 +298,70 @@ async fn commit(
             current_turn_id: None,
             last_turn_message_seq: 0,
         });
+        Ok(())
     }
-    log.append(fence, &batch.events).await?;
-    summaries
-        .add_client_ids(&batch.conversation_id, &batch.client_msg_ids)
-        .await?;
-    let Some(m) = meta.as_mut() else {
-        return Err(StoreError::NotFound(batch.conversation_id.to_string()));
-    };
-    m.status = batch.state.status;
-    m.head_seq = batch.state.head_seq;
-    m.last_activity_at = batch.state.last_activity_at.clone();
-    m.current_turn_id = batch.state.current_turn_id.clone();
-    m.last_turn_message_seq = batch.state.last_turn_message_seq;
-    summaries.put(m, fence.term).await?;
-    Ok(())
+
+    /// Takes in a committed append's state.
+    fn committed(&mut self, batch: &AppendBatch, term: u64) {
+        let Some(m) = self.meta.as_mut() else { return };
+        self.term = term;
+        m.status = batch.state.status;
+        m.head_seq = batch.state.head_seq;
+        m.last_activity_at = batch.state.last_activity_at.clone();
+        m.current_turn_id = batch.state.current_turn_id.clone();
+        m.last_turn_message_seq = batch.state.last_turn_message_seq;
+        self.client_ids.extend(batch.client_msg_ids.iter().cloned());
+        self.stale_since
+            .get_or_insert_with(tokio::time::Instant::now);
+        if self.stored.as_ref() != Some(&Decisive::of(m)) || !self.client_ids.is_empty() {
+            self.urgent = true;
+        }
+    }
+
+    fn urgent(&self) -> bool {
+        self.urgent
+    }
+
+    /// When the lagging summary must be written (`None`: it does not lag).
+    fn due(&self) -> Option<tokio::time::Instant> {
+        self.stale_since.map(|since| since + SUMMARY_LAG)
+    }
+
+    /// Writes the `client_msg_id`s and the summary; on failure keeps them
+    /// to try again after [`SUMMARY_LAG`].
+    async fn write(&mut self) {
+        let Some(meta) = self.meta.as_mut() else {
+            self.stale_since = None;
+            return;
+        };
+        if self.stale_since.is_none() {
+            return;
+        }
+        let result = async {
+            self.summaries
+                .add_client_ids(&meta.id, &self.client_ids)
+                .await?;
+            self.client_ids.clear();
+            self.summaries.put(meta, self.term, self.revision).await
+        }
+        .await;
+        match result {
+            Ok(written) => {
+                // Nothing written: a newer owner's summary is stored, or the
+                // conversation was deleted; either way ours is not wanted.
+                self.revision = written.or(self.revision);
+                self.stored = Some(Decisive::of(meta));
+                self.stale_since = None;
+                self.urgent = false;
+            }
+            Err(e) => {
+                warn!(conversation = %meta.id, error = %e,
+                    "writing the conversation summary failed; the log has the events, retrying");
+                self.stale_since = Some(tokio::time::Instant::now());
+                self.urgent = false;
+            }
+        }
+    }
 }
 
 fn field(data: &str, key: &str) -> Option<String> {
@@ -226,10 +422,18 @@ impl Store for NatsStore {
             .map_err(|_| StoreError::Closed)
     }
 
+    /// The summary, with the head from the log: the owner writes a head
+    /// that only moved up to [`SUMMARY_LAG`] late.
     async fn get(&self, id: &str) -> Result<Option<ConversationMeta>, StoreError> {
-        Ok(self.summaries.get(id).await?)
+        let Some(mut meta) = self.summaries.get(id).await? else {
+            return Ok(None);
+        };
+        meta.head_seq = meta.head_seq.max(self.log.head(id).await?.seq);
+        Ok(Some(meta))
     }
 
+    /// Summaries as stored: a head and last activity may be up to
+    /// [`SUMMARY_LAG`] behind the log.
     async fn list(&self, user: Option<&str>) -> Result<Vec<ConversationMeta>, StoreError> {
         Ok(self.summaries.list(user).await?)
     }
@@ -244,13 +448,9 @@ impl Store for NatsStore {
     }
 
     async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
-        let Some(mut meta) = self.summaries.get(id).await? else {
+        let Some(meta) = self.get(id).await? else {
             return Ok(None);
         };
-        // The log is the truth for the head (the summary is written after
-        // the events and may lag by one append).
-        let head = self.log.head(id).await?;
-        meta.head_seq = meta.head_seq.max(head.seq);
         let tail_events = self
             .log
             .read(id, meta.head_seq.saturating_sub(tail as u64), tail)
