@@ -54,26 +54,33 @@
 //! on `ev.<c>.*`. With one subject per conversation it is not needed.
 //!
 //! # Finding linger seq N
-//! A binary search over stream sequences with `next_by_subj` gets: a probe
-//! at stream sequence `p` returns the conversation's first message at or
+//! A search over stream sequences with `next_by_subj` gets: a probe at
+//! stream sequence `p` returns the conversation's first message at or
 //! after `p`, and its `Linger-Last-Seq` says whether N lies before or after
-//! it; the search range shrinks to the probed message's position, so the
-//! number of probes is O(log(stream span)) (about 30 for a billion-message
-//! stream), each a server-side indexed lookup; no history is scanned.
+//! it. What is read is nearly always recent (a reattach, a takeover's
+//! queue), so the search starts at the conversation's last message (often
+//! N is in it: no probe at all) and goes down in doubling steps, then
+//! bisects between the last two probes: O(log distance) probes, each a
+//! server-side indexed lookup; no history is scanned.
 //!
 //! # Reads
-//! Reads go to the stream leader (`STREAM.MSG.GET`), not direct gets, which
-//! followers may answer with stale data: a takeover must see the true head
-//! and a replay must not stop short of it. Direct gets could serve replays
-//! of events at or below a head already known (an optimization for later).
+//! What decides ownership or the head is read from the stream leader
+//! (`STREAM.MSG.GET`), never from a direct get that a follower may answer
+//! with stale data: a takeover must see the true head. History below a
+//! head read from the leader is read in batches of [`READ_BATCH`] messages
+//! with one batched direct get (any replica): a replica that is behind
+//! answers a shorter prefix of the same log, never another history, and
+//! the read goes on from where it stopped (from the leader when the
+//! replica has nothing more).
 
 use std::sync::Arc;
 
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
 use async_nats::jetstream::ErrorCode;
-use async_nats::HeaderMap;
+use async_nats::{HeaderMap, StatusCode};
 use bytes::Bytes;
+use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::{check_token, with_deadline, Cluster, ClusterError};
@@ -83,6 +90,9 @@ const TERM: &str = "Linger-Term";
 const NODE: &str = "Linger-Node";
 const FIRST: &str = "Linger-Seq";
 const LAST: &str = "Linger-Last-Seq";
+
+/// Most messages one batched read asks for.
+const READ_BATCH: usize = 256;
 
 /// Room left in a message for headers when splitting a large group.
 const HEADER_ROOM: usize = 1024;
@@ -159,6 +169,20 @@ impl EventLog {
     /// The conversation's head, read from the stream leader.
     pub async fn head(&self, conversation: &str) -> Result<Head, ClusterError> {
         let subject = self.subject(conversation)?;
+        Ok(self
+            .last_group(&subject)
+            .await?
+            .map(|g| Head {
+                seq: g.last,
+                stream_seq: g.stream_seq,
+                term: g.term,
+                node: g.node,
+            })
+            .unwrap_or_default())
+    }
+
+    /// The conversation's last message, read from the stream leader.
+    async fn last_group(&self, subject: &str) -> Result<Option<Group>, ClusterError> {
         with_deadline(
             self.cluster.options.op_timeout,
             "reading the head",
@@ -166,22 +190,12 @@ impl EventLog {
                 let got = self
                     .stream
                     .raw_message_builder()
-                    .last_by_subject(subject.clone())
+                    .last_by_subject(subject.to_owned())
                     .send()
                     .await;
                 match got {
-                    Ok(m) => {
-                        let g = group(m.sequence, &m.headers, m.payload)?;
-                        Ok(Head {
-                            seq: g.last,
-                            stream_seq: g.stream_seq,
-                            term: g.term,
-                            node: g.node,
-                        })
-                    }
-                    Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => {
-                        Ok(Head::default())
-                    }
+                    Ok(m) => group(m.sequence, &m.headers, m.payload).map(Some),
+                    Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
                     Err(e) => Err(ClusterError::Unavailable(e.to_string())),
                 }
             },
@@ -382,15 +396,52 @@ impl EventLog {
     /// first one after it), without scanning: see the module doc.
     pub async fn locate(&self, conversation: &str, seq: u64) -> Result<Option<u64>, ClusterError> {
         let subject = self.subject(conversation)?;
-        let head = self.head(conversation).await?;
-        if head.stream_seq == 0 || seq > head.seq {
-            return Ok(None);
+        match self.last_group(&subject).await? {
+            Some(last) if seq <= last.last => {
+                self.locate_below(&subject, seq, &last).await.map(Some)
+            }
+            _ => Ok(None),
         }
-        let (mut lo, mut hi) = (1u64, head.stream_seq);
-        let mut found = head.stream_seq;
+    }
+
+    /// [`EventLog::locate`] given the conversation's last message (which
+    /// holds seq or a later one). Searched from the top down, because what
+    /// is read is nearly always recent (a reattach, a takeover's queue):
+    /// probes at the last message's position minus 1, 2, 4, … until one
+    /// lands on a message ending before `seq`, then a binary search between
+    /// the last two probes. O(log distance) probes, at most twice the
+    /// O(log stream) of a plain binary search.
+    async fn locate_below(
+        &self,
+        subject: &str,
+        seq: u64,
+        last: &Group,
+    ) -> Result<u64, ClusterError> {
+        if last.first <= seq {
+            return Ok(last.stream_seq);
+        }
+        // `found`: the earliest message seen that ends at or after `seq`.
+        let mut found = last.stream_seq;
+        let mut step = 1u64;
+        let mut lo = loop {
+            let probe = found.saturating_sub(step).max(1);
+            match self.next_group(subject, probe).await? {
+                Some(g) if g.stream_seq < found && g.last < seq => break g.stream_seq + 1,
+                Some(g) if g.stream_seq < found => found = g.stream_seq,
+                // Nothing of this conversation in [probe, found): the
+                // answer is at or below the probe.
+                _ => {}
+            }
+            if probe == 1 {
+                // The conversation's first message ends at or after `seq`.
+                return Ok(found);
+            }
+            step = step.saturating_mul(2);
+        };
+        let mut hi = found.saturating_sub(1);
         while lo <= hi {
             let mid = lo + (hi - lo) / 2;
-            match self.next_group(&subject, mid).await? {
+            match self.next_group(subject, mid).await? {
                 Some(g) if g.stream_seq <= hi && g.last < seq => lo = g.stream_seq + 1,
                 Some(g) if g.stream_seq <= hi => {
                     found = g.stream_seq;
@@ -400,10 +451,11 @@ impl EventLog {
                 _ => hi = mid - 1,
             }
         }
-        Ok(Some(found))
+        Ok(found)
     }
 
     /// Stored events with seq > `after`, oldest first, at most `limit`.
+    /// Found with [`EventLog::locate`], then read in batches.
     pub async fn read(
         &self,
         conversation: &str,
@@ -412,21 +464,122 @@ impl EventLog {
     ) -> Result<Vec<Arc<EventRecord>>, ClusterError> {
         let subject = self.subject(conversation)?;
         let mut out = Vec::new();
-        let Some(mut at) = self.locate(conversation, after + 1).await? else {
+        if limit == 0 {
+            return Ok(out);
+        }
+        let Some(last) = self.last_group(&subject).await? else {
             return Ok(out);
         };
-        while out.len() < limit {
-            let Some(g) = self.next_group(&subject, at).await? else {
+        if after >= last.last {
+            return Ok(out);
+        }
+        let mut at = self.locate_below(&subject, after + 1, &last).await?;
+        while out.len() < limit && at <= last.stream_seq {
+            let groups = if at == last.stream_seq {
+                vec![last.clone()]
+            } else {
+                self.groups(&subject, at, last.stream_seq).await?
+            };
+            let Some(end) = groups.last().map(|g| g.stream_seq) else {
                 break;
             };
-            for record in decode(conversation, &g)? {
-                if record.seq > after && out.len() < limit {
-                    out.push(Arc::new(record));
+            for g in &groups {
+                for record in decode(conversation, g)? {
+                    if record.seq > after && out.len() < limit {
+                        out.push(Arc::new(record));
+                    }
                 }
             }
-            at = g.stream_seq + 1;
+            at = end + 1;
         }
         Ok(out)
+    }
+
+    /// The conversation's messages from stream sequence `from` up to
+    /// `upto` (at least one when there is one): a batch from any replica,
+    /// or, when the replica answering has not applied them yet, one from
+    /// the leader.
+    async fn groups(
+        &self,
+        subject: &str,
+        from: u64,
+        upto: u64,
+    ) -> Result<Vec<Group>, ClusterError> {
+        let batch = self.batch(subject, from, upto).await?;
+        if !batch.is_empty() {
+            return Ok(batch);
+        }
+        Ok(self
+            .next_group(subject, from)
+            .await?
+            .filter(|g| g.stream_seq <= upto)
+            .into_iter()
+            .collect())
+    }
+
+    /// Up to [`READ_BATCH`] of the conversation's messages from stream
+    /// sequence `from`, stopping after `upto`, in one batched direct get
+    /// (NATS 2.11, ADR-31; `async-nats` sends only single gets, so the
+    /// request is made here). Any replica may answer, so the batch may end
+    /// early on one that is behind: it is a prefix of the log, never a
+    /// different history, and the caller goes on from where it ended.
+    async fn batch(&self, subject: &str, from: u64, upto: u64) -> Result<Vec<Group>, ClusterError> {
+        #[derive(Serialize)]
+        struct Request<'a> {
+            seq: u64,
+            next_by_subj: &'a str,
+            batch: usize,
+        }
+        let request = serde_json::to_vec(&Request {
+            seq: from.max(1),
+            next_by_subj: subject,
+            batch: READ_BATCH,
+        })
+        .map_err(|e| ClusterError::Corrupt(e.to_string()))?;
+        let api = format!(
+            "$JS.API.DIRECT.GET.{}",
+            self.cluster.options.events_stream()
+        );
+        let client = &self.cluster.client;
+        with_deadline(self.cluster.options.op_timeout, "reading the log", || {
+            let request = Bytes::from(request.clone());
+            let api = api.clone();
+            async move {
+                let unavailable =
+                    |e: &dyn std::fmt::Display| ClusterError::Unavailable(e.to_string());
+                let inbox = client.new_inbox();
+                let mut replies = client
+                    .subscribe(inbox.clone())
+                    .await
+                    .map_err(|e| unavailable(&e))?;
+                client
+                    .publish_with_reply(api, inbox, request)
+                    .await
+                    .map_err(|e| unavailable(&e))?;
+                let mut out = Vec::new();
+                while let Some(m) = replies.next().await {
+                    match m.status {
+                        None => {}
+                        // 204: end of the batch; 404: nothing at or after `from`.
+                        Some(s) if s.as_u16() == 204 || s == StatusCode::NOT_FOUND => break,
+                        Some(s) => {
+                            return Err(ClusterError::Unavailable(format!(
+                                "batched read: status {s} {}",
+                                m.description.unwrap_or_default()
+                            )))
+                        }
+                    }
+                    let headers = m.headers.unwrap_or_default();
+                    let seq = header_u64(&headers, "Nats-Sequence", 0)?;
+                    if seq > upto {
+                        continue;
+                    }
+                    out.push(group(seq, &headers, m.payload)?);
+                }
+                Ok(out)
+            }
+        })
+        .await
     }
 
     /// Removes a conversation's whole log.
