@@ -64,3 +64,19 @@ fn replay_measures_buffer_and_store() {
         assert!(ms.is_some_and(|ms| ms > 0.0), "{name}: {report}");
     }
 }
+
+#[test]
+fn compact_sends_a_fresh_client_less_than_full() {
+    let report = bench(&["compact", "-n", "10", "-t", "50", "-o", "2"]);
+    let value = |name: &str| figure(&report, name)["linger"].as_f64().unwrap_or(0.0);
+    // Every finished turn's 50 deltas are left out of the compact replay.
+    assert!(
+        value("replay events (full)") >= value("replay events (compact)") + 500.0,
+        "{report}"
+    );
+    assert!(value("replay bytes (compact)") > 0.0, "{report}");
+    assert!(value("bytes full / compact") > 2.0, "{report}");
+    for name in ["first text p50 (compact)", "whole history p50 (compact)"] {
+        assert!(value(name) > 0.0, "{name}: {report}");
+    }
+}

@@ -1,7 +1,8 @@
 //! The terminal client, as real processes: the `linger` binary against an
 //! in-process server. `new`, `ls`, `send`, and `attach` with its stdin
 //! piped: it streams a reply, detaches on end of input leaving the turn
-//! running, and comes back by itself after its connection is cut.
+//! running, comes back by itself after its connection is cut, and opens a
+//! conversation it has shown nothing of with a compact replay.
 //!
 //! Every wait is on the child's output or on stored state, bounded by
 //! `RECV_TIMEOUT`.
@@ -83,7 +84,11 @@ struct Attached {
 
 impl Attached {
     fn spawn(url: &str, id: &str) -> Attached {
-        let mut child = linger(url, &["attach", id])
+        Attached::spawn_args(url, &["attach", id])
+    }
+
+    fn spawn_args(url: &str, args: &[&str]) -> Attached {
+        let mut child = linger(url, args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -135,6 +140,12 @@ impl Attached {
 
     async fn wait_stderr(&mut self, what: &str, done: impl Fn(&str) -> bool) {
         Attached::wait(&mut self.stderr, what, done).await
+    }
+
+    /// Closes stdin (Ctrl-D) and checks that the process ends with success.
+    async fn eof_and_succeed(&mut self) {
+        let status = self.eof_and_exit().await;
+        assert!(status.success(), "exit status {status}; {}", self.output());
     }
 
     /// Closes stdin (Ctrl-D) and waits for the process to end.
@@ -246,12 +257,7 @@ async fn attach_streams_then_detaches_on_eof_leaving_the_turn_running() {
         .await;
 
     // Ctrl-D: detach and exit 0 at once, mid-turn.
-    let status = attach.eof_and_exit().await;
-    assert!(
-        status.success(),
-        "exit status {status}; {}",
-        attach.output()
-    );
+    attach.eof_and_succeed().await;
     let stdout = attach.stdout.borrow().clone();
     assert!(
         stdout.starts_with("> /stream 100 50\n"),
@@ -334,11 +340,84 @@ async fn attach_comes_back_after_a_cut_connection_without_gaps_or_repeats() {
         })
         .await;
 
-    let status = attach.eof_and_exit().await;
+    attach.eof_and_succeed().await;
+    drop(proxy);
+    server.shutdown().await;
+}
+
+/// Runs `linger attach` with `args` through `proxy` until it has shown
+/// `replies` whole replies `text`, then ends its input; returns its stdout
+/// and the bytes the server sent it (REST call, handshake and frames).
+async fn attach_and_count(
+    proxy: &Proxy,
+    args: &[&str],
+    text: &str,
+    replies: usize,
+) -> (String, u64) {
+    let before = proxy.downstream_bytes();
+    let mut attach = Attached::spawn_args(&proxy.http_url(), args);
+    attach
+        .wait_stdout("every finished reply", |out| {
+            out.matches(text).count() >= replies
+        })
+        .await;
+    attach.eof_and_succeed().await;
+    let stdout = attach.stdout.borrow().clone();
+    (stdout, proxy.downstream_bytes() - before)
+}
+
+/// Protocol §11: `linger attach` with nothing shown yet asks for a compact
+/// replay: the finished turns' `text_delta`s are not sent, and each reply is
+/// still shown once, whole, from its `assistant_message`. With `--from`
+/// (a seq already shown) the replay is in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attach_opens_a_whole_conversation_compact_and_shows_every_reply() {
+    let server = TestServer::start().await;
+    let proxy = Proxy::start(server.addr).await;
+    let mut writer = server.connect(USER).await;
+    let id = writer.create_titled("finished turns").await;
+    for _ in 0..3 {
+        writer.send_message(&id, "/stream 40 1").await;
+        writer.events_until_turn_finished(&id).await;
+    }
+    let stored = server.stored_events(&id, USER, 0).await;
+    // The bytes of the frames a compact replay leaves out.
+    let deltas: u64 = stored
+        .iter()
+        .filter(|e| kind(e) == "text_delta")
+        .map(|e| e.to_string().len() as u64)
+        .sum();
+    assert_eq!(common::text_deltas(&stored).len(), 120);
+
+    let reply = stream_text(40);
+    let (compact_out, compact_bytes) = attach_and_count(&proxy, &["attach", &id], &reply, 3).await;
+    let (full_out, full_bytes) =
+        attach_and_count(&proxy, &["attach", "--from", "1", &id], &reply, 3).await;
+    for (what, stdout) in [("compact", &compact_out), ("full", &full_out)] {
+        assert_eq!(
+            stdout.matches(reply.as_str()).count(),
+            3,
+            "{what}: each reply shown once, whole:\n{stdout}"
+        );
+        assert_eq!(
+            stdout.matches("> /stream 40 1\n").count(),
+            3,
+            "{what}: each message shown once:\n{stdout}"
+        );
+    }
+    // Everything but the deltas is the same in both, but for seq 1, which
+    // `--from 1` does not replay: the compact open was sent at least the
+    // deltas' bytes less (with a few bytes of slack for the close
+    // handshake, which may pass after the process has exited).
+    let created = stored[0].to_string().len() as u64;
     assert!(
-        status.success(),
-        "exit status {status}; {}",
-        attach.output()
+        compact_bytes + deltas <= full_bytes + created + 64,
+        "the first open should leave out the {deltas} bytes of deltas: \
+         compact {compact_bytes} bytes, full {full_bytes} bytes"
+    );
+    assert!(
+        compact_bytes < deltas,
+        "compact {compact_bytes} bytes, the deltas alone {deltas}"
     );
     drop(proxy);
     server.shutdown().await;

@@ -9,7 +9,8 @@
 //! yet), in which case the code must not know it yet. The OpenAPI document is checked against a
 //! real server: every operation it lists answers there with a status it
 //! documents, every method it does not list is refused with 405, the route
-//! table has nothing it leaves out, and real bodies match their schemas.
+//! table has nothing it leaves out, real bodies match their schemas, and
+//! with a failing store exactly the routes that document 503 answer it.
 
 mod common;
 
@@ -19,6 +20,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use strum::{VariantArray, VariantNames};
 
+use common::faulty_store::Fault;
 use common::TestServer;
 use linger::config::{AuthMode, Config, TokenEntry};
 use linger::event::{EventKind, EventRecord, StartReason, ToolTarget, TurnStatus};
@@ -254,14 +256,18 @@ fn check_schema(document: &Value, operation: &Value, status: u16, body: &Value, 
 
 #[tokio::test]
 async fn the_openapi_document_matches_the_real_routes() {
-    let server = TestServer::start_with(|config| {
-        config.auth.mode = AuthMode::Tokens;
-        config.auth.tokens = vec![TokenEntry {
-            token: "alice-token".into(),
-            user: "alice".into(),
-            admin: true,
-        }];
-    })
+    let fault = Fault::default();
+    let server = TestServer::start_wrapping(
+        |config| {
+            config.auth.mode = AuthMode::Tokens;
+            config.auth.tokens = vec![TokenEntry {
+                token: "alice-token".into(),
+                user: "alice".into(),
+                admin: true,
+            }];
+        },
+        |store| fault.wrap(store),
+    )
     .await;
     let token = Some("alice-token");
 
@@ -363,6 +369,39 @@ async fn the_openapi_document_matches_the_real_routes() {
             );
         }
     }
+
+    // With a store that can neither be read nor written, every route that
+    // documents 503 answers it with the documented error body, and no
+    // other route does (the document misses no route's 503).
+    fault.fail_reads(true);
+    fault.fail_writes(true);
+    for ((path, method), operation) in &operations {
+        let what = format!("{} {path} with the store failing", method.to_uppercase());
+        if path == "/v1/ws" {
+            continue;
+        }
+        let url = path.replace("{id}", &kept);
+        let body = match (method.as_str(), path.as_str()) {
+            ("post", "/v1/conversations/{id}/observers") => Some(json!({"user": "carol"})),
+            ("post", _) => Some(json!({"title": "while the store fails"})),
+            _ => None,
+        };
+        let (status, response) = server.call(&method.to_uppercase(), &url, token, body).await;
+        if operation["responses"].get("503").is_some() {
+            assert_eq!(status, 503, "{what}: {response}");
+            check_schema(&served, operation, status, &response, &what);
+            if path != "/healthz" {
+                assert_eq!(response["error"]["code"], "store_unavailable", "{what}");
+            }
+        } else {
+            assert!(
+                status < 300,
+                "{what} answered {status}, undocumented: {response}"
+            );
+        }
+    }
+    fault.fail_reads(false);
+    fault.fail_writes(false);
 
     // Routes added outside the documented table (`.route("...")` in the
     // router) are the web page's only.

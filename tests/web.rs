@@ -169,8 +169,22 @@ return {
   tools: [...document.querySelectorAll('#transcript .tool')]
     .map((t) => ({ call: t.dataset.call, state: t.dataset.state })),
   listed: [...document.querySelectorAll('#conversations li[data-id]')].map((li) => li.dataset.id),
+  // Whether the open conversation's current attachment is a compact
+  // replay, as the server's `attached` said (null until attached).
+  compact: window.linger && window.linger.open && window.linger.open.conv.attached ? window.linger.open.conv.compactReplay : null,
   errors: window.__errors || [],
 };
+"#;
+
+/// Records every frame the page's socket receives from now on (kind, seq,
+/// turn and `compact`), in `window.__frames`.
+const RECORD_FRAMES: &str = r#"
+window.__frames = [];
+window.linger.client.socket.on('frame', (f) => window.__frames.push({
+  type: f.type, kind: f.kind || null, seq: f.seq ?? null, compact: f.compact ?? null,
+  turn: (f.data && f.data.turn_id) || null, text: (f.data && f.data.text) || null,
+}));
+return true;
 "#;
 
 /// Page errors after load (uncaught exceptions, rejected promises).
@@ -290,6 +304,22 @@ impl Page<'_> {
         self.click("#send").await;
     }
 
+    /// Loads the page at `base`, checks it is not signed in, and signs in
+    /// as `USER` (dev auth: the token is the user name).
+    async fn sign_in(&self, base: &str) {
+        self.client()
+            .goto(&format!("{base}/"))
+            .await
+            .expect("open the page");
+        self.watch_errors().await;
+        let state = self.snapshot().await;
+        assert_eq!(state["connText"], "not signed in", "{state:#}");
+        self.type_into("#token", USER).await;
+        self.click("#token-use").await;
+        self.wait("the socket to connect", |s| s["conn"] == "connected")
+            .await;
+    }
+
     async fn watch_errors(&self) {
         let loaded = self
             .client()
@@ -298,6 +328,14 @@ impl Page<'_> {
             .unwrap_or_else(|e| panic!("installing the error catcher: {e}"));
         assert_eq!(loaded, true, "the page's script did not load");
     }
+}
+
+/// The text of every assistant bubble, in order.
+fn replies(state: &Value) -> Vec<&str> {
+    state["assistant"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|b| b["text"].as_str()).collect())
+        .unwrap_or_default()
 }
 
 /// The last assistant bubble, if any.
@@ -351,19 +389,7 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
         artifacts: Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-artifacts"),
     };
     let client = page.client();
-    client
-        .goto(&format!("{}/", proxy.http_url()))
-        .await
-        .expect("open the page");
-    page.watch_errors().await;
-    let state = page.snapshot().await;
-    assert_eq!(state["connText"], "not signed in", "{state:#}");
-
-    // Sign in (dev auth: the token is the user name).
-    page.type_into("#token", USER).await;
-    page.click("#token-use").await;
-    page.wait("the socket to connect", |s| s["conn"] == "connected")
-        .await;
+    page.sign_in(&proxy.http_url()).await;
 
     // Create a conversation.
     page.type_into("#new-title", "browser test").await;
@@ -375,6 +401,11 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
         .await;
     let id = state["id"].as_str().expect("a conversation id").to_owned();
     assert!(id.starts_with("c_"), "{state:#}");
+    // Nothing kept for it yet: the page asked for a compact replay.
+    let state = page
+        .wait("the first attach", |s| !s["compact"].is_null())
+        .await;
+    assert_eq!(state["compact"], true, "a first open is compact: {state:#}");
     assert!(
         state["listed"]
             .as_array()
@@ -420,13 +451,18 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
         )
         .await
         .expect("dispatch online");
-    page.wait_for(
-        "the whole reply after the reconnect",
-        &mut prefix_of(whole.clone(), 0, &mut seen),
-        |s| s["conn"] == "connected" && is_whole(s, &whole),
-    )
-    .await;
+    let state = page
+        .wait_for(
+            "the whole reply after the reconnect",
+            &mut prefix_of(whole.clone(), 0, &mut seen),
+            |s| s["conn"] == "connected" && is_whole(s, &whole),
+        )
+        .await;
     assert!(seen > 0);
+    assert_eq!(
+        state["compact"], false,
+        "resuming from a known seq is not compact: {state:#}"
+    );
 
     // Reload mid-turn: the page resumes from the seq it kept.
     let whole40 = stream_text(40);
@@ -449,10 +485,7 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
             |s| s["conn"] == "connected" && is_whole(s, &whole40),
         )
         .await;
-    let replies: Vec<&str> = state["assistant"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|b| b["text"].as_str()).collect())
-        .unwrap_or_default();
+    let replies = replies(&state);
     assert_eq!(
         replies,
         vec![whole.trim(), whole40.trim()],
@@ -462,6 +495,10 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
         state["users"],
         json!(["/stream 60 50", "/stream 40 50"]),
         "each message once after the reload"
+    );
+    assert_eq!(
+        state["compact"], false,
+        "a reload resumes from the kept seq, in full: {state:#}"
     );
 
     // A client tool call, answered on its card.
@@ -620,5 +657,116 @@ async fn the_web_page_resumes_streams_answers_tools_and_explains_stops() {
     }
     drop(browser);
     drop(proxy);
+    server.shutdown().await;
+}
+
+/// Protocol §11 from the page: a conversation the page has nothing of is
+/// opened with a compact replay. Its finished turns arrive as whole
+/// `assistant_message`s without their `text_delta`s and are shown; the
+/// turn running at the attach streams in full, every token once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_open_is_a_compact_replay_that_shows_the_finished_turns() {
+    let server = TestServer::start().await;
+    let browser = start_browser().await;
+    let page = Page {
+        browser: &browser,
+        artifacts: Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-artifacts"),
+    };
+
+    // Three finished turns, written by another client.
+    let mut writer = server.connect(USER).await;
+    let id = writer.create_titled("long history").await;
+    let mut finished_turns = Vec::new();
+    for _ in 0..3 {
+        writer.send_message(&id, "/stream 8 1").await;
+        let turn = writer.events_until_turn_finished(&id).await;
+        let started = turn
+            .iter()
+            .find(|e| common::kind(e) == "turn_started")
+            .expect("turn_started");
+        finished_turns.push(started["data"]["turn_id"].clone());
+    }
+
+    // The page, signed in, recording what its socket receives.
+    page.sign_in(&server.http_url("")).await;
+    let recording = page
+        .client()
+        .execute(RECORD_FRAMES, vec![])
+        .await
+        .unwrap_or_else(|e| panic!("installing the frame recorder: {e}"));
+    assert_eq!(recording, true);
+
+    // A turn running when the page opens the conversation.
+    let whole = stream_text(60);
+    writer.send_message(&id, "/stream 60 50").await;
+    let running = writer.events_until_kind(&id, "text_delta").await;
+    let running_turn = running
+        .iter()
+        .find(|e| common::kind(e) == "turn_started")
+        .expect("turn_started")["data"]["turn_id"]
+        .clone();
+    page.client()
+        .execute(
+            "location.hash = '#open=' + encodeURIComponent(arguments[0]); return true;",
+            vec![json!(id)],
+        )
+        .await
+        .expect("open the conversation");
+
+    let mut seen = 0;
+    let state = page
+        .wait_for(
+            "the finished replies, then the running one whole",
+            &mut prefix_of(whole.clone(), 3, &mut seen),
+            |s| s["assistant"].as_array().map(Vec::len) == Some(4) && is_whole(s, &whole),
+        )
+        .await;
+    assert_eq!(state["compact"], true, "{state:#}");
+    let short = stream_text(8);
+    let replies = replies(&state);
+    assert_eq!(
+        replies,
+        vec![short.trim(), short.trim(), short.trim(), whole.trim()],
+        "every reply once, whole: {state:#}"
+    );
+
+    // What the socket brought: `attached {compact: true}`, then no
+    // text_delta of a finished turn, each finished turn's whole reply, and
+    // the running turn's deltas.
+    let frames = page
+        .client()
+        .execute("return window.__frames;", vec![])
+        .await
+        .unwrap_or_else(|e| panic!("reading the recorded frames: {e}"));
+    let frames = frames.as_array().cloned().unwrap_or_default();
+    let attached = frames
+        .iter()
+        .find(|f| f["type"] == "attached")
+        .unwrap_or_else(|| panic!("no attached frame: {frames:#?}"));
+    assert_eq!(attached["compact"], true, "{attached}");
+    let events = |kind: &str, turn: &Value| {
+        frames
+            .iter()
+            .filter(|f| f["kind"] == kind && f["turn"] == *turn)
+            .count()
+    };
+    for turn in &finished_turns {
+        assert_eq!(
+            events("text_delta", turn),
+            0,
+            "deltas of finished turn {turn} were sent"
+        );
+        assert_eq!(events("assistant_message", turn), 1, "{turn}: {frames:#?}");
+    }
+    assert_eq!(
+        events("text_delta", &running_turn),
+        60,
+        "the running turn streams in full"
+    );
+
+    if let Err(e) = browser.client.clone().close().await {
+        eprintln!("closing the WebDriver session: {e}");
+    }
+    drop(browser);
     server.shutdown().await;
 }

@@ -158,7 +158,10 @@ function closeView() {
 
 function openConversation(id, mode) {
   leave();
-  const conv = state.client.conversation(id, { mode });
+  // Nothing kept for it (a first open, another browser): a compact replay,
+  // whole replies without their streamed pieces. Resuming from a kept seq
+  // gets everything missed, in full.
+  const conv = state.client.conversation(id, { mode, compact: 'fresh' });
   const o = {
     id,
     mode,

@@ -4,6 +4,8 @@
 export type ConnectionState = 'idle' | 'connecting' | 'connected' | 'reconnecting' | 'unauthorized';
 export type AgentStatus = 'running' | 'waiting' | 'idle' | 'stopped';
 export type Mode = 'control' | 'observe';
+/** Compact attach (protocol §11): `true` on every attach, `'fresh'` only on one from nothing (last seq 0). */
+export type Compact = boolean | 'fresh';
 export type Unsubscribe = () => void;
 
 /** A sequenced event (protocol §4). */
@@ -177,8 +179,9 @@ export class LingerClient {
   disconnect(): void;
   retryNow(): void;
   create(options?: { title?: string; closeDelay?: string }): Promise<Conversation>;
-  conversation(id: string, options?: { mode?: Mode; compact?: boolean }): Conversation;
-  open(id: string, options?: { mode?: Mode; compact?: boolean }): Promise<Conversation>;
+  /** `compact`: `true` asks every attach for a compact replay (protocol §11); `'fresh'` only an attach with nothing yet (last seq 0). */
+  conversation(id: string, options?: { mode?: Mode; compact?: Compact }): Conversation;
+  open(id: string, options?: { mode?: Mode; compact?: Compact }): Promise<Conversation>;
   list(): Promise<ConversationSummary[]>;
   get(id: string): Promise<ConversationSummary>;
   events(id: string, after?: number): Promise<LingerEvent[]>;
@@ -195,7 +198,7 @@ export interface OutboxEntry {
 export class Conversation {
   readonly id: string;
   readonly mode: Mode;
-  readonly compact: boolean;
+  readonly compact: Compact;
   readonly transcript: Transcript;
   readonly lastSeq: number;
   readonly status: AgentStatus | null;

@@ -41,6 +41,8 @@ pub struct Frame<'a> {
     pub conversation_id: Option<Cow<'a, str>>,
     pub head_seq: Option<u64>,
     pub replay_from: Option<u64>,
+    /// `attached`: whether the replay is compact (protocol §11).
+    pub compact: Option<bool>,
 }
 
 impl Frame<'_> {

@@ -6,6 +6,8 @@
 //! - [`storm`]: N clients drop at once mid-stream and resume at once.
 //! - [`idle`]: K idle active conversations, each with a connection: RSS.
 //! - [`replay`]: attach latency of a replay from the buffer and the store.
+//! - [`compact`]: what a fresh client is sent when it opens a long
+//!   conversation, full and compact (protocol §11); linger only.
 //! - [`cluster`]: three nodes on a NATS JetStream cluster: streaming across
 //!   nodes, and the takeover of a killed node's conversations
 //!   ([`takeover`]); it spawns everything itself ([`nats`] for the NATS
@@ -22,6 +24,7 @@
 
 mod client;
 mod cluster;
+mod compact;
 mod idle;
 mod nats;
 mod replay;
@@ -90,6 +93,10 @@ pub enum Scenario {
     Idle(idle::IdleArgs),
     /// Attach latency of a 2,000-event replay from the buffer and the store.
     Replay(replay::ReplayArgs),
+    /// A fresh client opens a conversation of 300 finished turns of 500
+    /// tokens and a running one: bytes and time to first text and to the
+    /// whole history, full and compact (linger only).
+    Compact(compact::CompactArgs),
     /// Three nodes sharing a 3-server NATS JetStream, all spawned: streaming
     /// with each conversation created on one node and streamed through
     /// another (beside one linger and the relay), then SIGKILL of a node
@@ -115,6 +122,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Scenario::Storm(storm::StormArgs::default_args()),
             Scenario::Idle(idle::IdleArgs::default_args()),
             Scenario::Replay(replay::ReplayArgs::default_args()),
+            Scenario::Compact(compact::CompactArgs::default_args()),
         ],
         one => vec![one],
     };
@@ -125,6 +133,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Scenario::Storm(a) => vec![storm::run(&common, &a).await?],
             Scenario::Idle(a) => vec![idle::run(&common, &a).await?],
             Scenario::Replay(a) => vec![replay::run(&common, &a).await?],
+            Scenario::Compact(a) => vec![compact::run(&common, &a).await?],
             Scenario::Cluster(a) => cluster::run(&common, &a).await?,
             Scenario::All => unreachable!("expanded above"),
         };

@@ -3,7 +3,9 @@
 //! typed line as a message, answers tool calls with `/result CALL_ID JSON`,
 //! and detaches on Ctrl-D (end of input), leaving the turn running. A
 //! dropped connection comes back by itself: reconnect with backoff, attach
-//! with the last seq seen, so nothing is missed or shown twice.
+//! with the last seq seen, so nothing is missed or shown twice. The first
+//! attach of a whole conversation is compact (protocol §11): finished turns
+//! come as their whole replies, which the printer shows as lines.
 
 use std::io::{BufRead, IsTerminal};
 use std::time::{Duration, Instant};
@@ -158,8 +160,15 @@ impl Session {
     }
 
     fn attach_frame(&self) -> Value {
-        json!({"type": "attach", "conversation_id": self.id, "last_seq": self.last_seq,
-               "mode": self.mode, "req": "attach"})
+        let mut frame = json!({"type": "attach", "conversation_id": self.id,
+            "last_seq": self.last_seq, "mode": self.mode, "req": "attach"});
+        // Nothing shown yet: a compact replay (protocol §11) brings finished
+        // turns as their whole replies, without their streamed pieces. A
+        // resume from a seq already shown gets everything it missed.
+        if self.last_seq == 0 {
+            frame["compact"] = json!(true);
+        }
+        frame
     }
 
     async fn attach(&mut self, sink: &mut Sink) -> Result<(), End> {

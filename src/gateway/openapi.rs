@@ -13,7 +13,7 @@ use serde_json::Value;
 use strum::{VariantArray, VariantNames};
 use utoipa::openapi::schema::{Object, ObjectBuilder, Type};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa::{IntoResponses, Modify, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -183,9 +183,23 @@ pub(super) struct ErrorBody {
 #[derive(ToSchema)]
 pub(super) struct ErrorDetail {
     /// `unauthorized` (401), `forbidden` (403), `bad_request` (400),
-    /// `not_found` (404), `limit_reached` (429) or `internal` (500).
+    /// `not_found` (404), `limit_reached` (429), `store_unavailable` (503)
+    /// or `internal` (500).
     #[schema(example = "not_found")]
     code: String,
     /// What went wrong, for people.
     message: String,
 }
+
+/// The 503 of every route that reads or writes the store
+/// (`ApiError::StoreUnavailable`, from a `StoreError` that `is_unavailable`),
+/// listed in each such route's `responses(...)`.
+#[allow(dead_code)]
+#[derive(IntoResponses)]
+#[response(
+    status = 503,
+    description = "`store_unavailable`: the store cannot be read or written now (disk full, \
+        an I/O error, a locked or corrupt database; in cluster mode NATS without quorum). \
+        Nothing was recorded; retry later"
+)]
+pub(super) struct StoreUnavailable(ErrorBody);

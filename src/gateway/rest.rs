@@ -1,7 +1,8 @@
 //! The REST endpoints of protocol §2 (docs/protocol.md): list, get, events,
 //! create, delete, observers. Reads come from the store and never activate a
 //! conversation. Each handler's `#[utoipa::path]` is its entry in
-//! `/v1/openapi.json` ([`super::openapi`]).
+//! `/v1/openapi.json` ([`super::openapi`]); every one that uses the store
+//! lists `StoreUnavailable`, its 503.
 
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -14,7 +15,7 @@ use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
-use super::openapi::{status_schema, ErrorBody, EventsPage};
+use super::openapi::{status_schema, ErrorBody, EventsPage, StoreUnavailable};
 use super::AppState;
 use crate::actors::supervisor::{create_conversation, ActivateError, SupervisorMsg, CALL_TIMEOUT};
 use crate::event::StartReason;
@@ -146,6 +147,7 @@ async fn owned(app: &AppState, caller: &Caller, id: &str) -> Result<Conversation
     responses(
         (status = 200, description = "The caller's conversations", body = Vec<Summary>),
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
+        StoreUnavailable,
     ))]
 pub async fn list(
     State(app): State<AppState>,
@@ -164,6 +166,7 @@ pub async fn list(
             body = Vec<AdminSummary>),
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
         (status = 404, description = "The caller is not an admin", body = ErrorBody),
+        StoreUnavailable,
     ))]
 pub async fn admin_list(
     State(app): State<AppState>,
@@ -200,6 +203,7 @@ pub struct AdminSummary {
         (status = 200, description = "Its summary", body = Summary),
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
         (status = 404, description = "No such conversation, or another user's", body = ErrorBody),
+        StoreUnavailable,
     ))]
 pub async fn get(
     State(app): State<AppState>,
@@ -232,6 +236,7 @@ pub struct EventsQuery {
             content_type = "text/plain"),
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
         (status = 404, description = "No such conversation, or another user's", body = ErrorBody),
+        StoreUnavailable,
     ))]
 pub async fn events(
     State(app): State<AppState>,
@@ -297,6 +302,7 @@ pub struct CreateBody {
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
         (status = 429, description = "conversations.on_limit = \"reject\" and the caller is at \
             conversations.max_per_user", body = ErrorBody),
+        StoreUnavailable,
     ))]
 pub async fn create(
     State(app): State<AppState>,
@@ -351,6 +357,7 @@ pub async fn create(
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
         (status = 404, description = "No such conversation, or not the caller's own",
             body = ErrorBody),
+        StoreUnavailable,
     ))]
 pub async fn delete(
     State(app): State<AppState>,
@@ -400,6 +407,7 @@ pub struct ObserverBody {
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
         (status = 404, description = "No such conversation, or not the caller's own",
             body = ErrorBody),
+        StoreUnavailable,
     ))]
 pub async fn add_observer(
     State(app): State<AppState>,

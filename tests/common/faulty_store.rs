@@ -1,7 +1,9 @@
 //! A [`Store`] wrapper whose writes can be made to fail on demand, as a full
 //! disk or an I/O error would: the in-process way to test store failures
 //! (tests/store_faults.rs also fills a real tmpfs where the machine allows a
-//! mount). Reads always go through: a full disk still reads.
+//! mount). Reads go through unless they are made to fail too, as with a
+//! store that cannot be reached at all (NATS without quorum): a full disk
+//! still reads.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,30 +17,45 @@ pub const INJECTED: &str = "database or disk is full (injected)";
 
 pub struct FaultyStore {
     inner: Arc<dyn Store>,
-    failing: Arc<AtomicBool>,
+    fault: Fault,
 }
 
-/// The switch a test flips.
+/// The switches a test flips.
 #[derive(Clone, Default)]
-pub struct Fault(Arc<AtomicBool>);
+pub struct Fault {
+    writes: Arc<AtomicBool>,
+    reads: Arc<AtomicBool>,
+}
 
 impl Fault {
     pub fn fail_writes(&self, fail: bool) {
-        self.0.store(fail, Ordering::SeqCst);
+        self.writes.store(fail, Ordering::SeqCst);
     }
 
-    /// Wraps a store so that this switch controls its writes.
+    pub fn fail_reads(&self, fail: bool) {
+        self.reads.store(fail, Ordering::SeqCst);
+    }
+
+    /// Wraps a store so that these switches control it.
     pub fn wrap(&self, inner: Arc<dyn Store>) -> Arc<dyn Store> {
         Arc::new(FaultyStore {
             inner,
-            failing: self.0.clone(),
+            fault: self.clone(),
         })
     }
 }
 
 impl FaultyStore {
     fn failing(&self) -> bool {
-        self.failing.load(Ordering::SeqCst)
+        self.fault.writes.load(Ordering::SeqCst)
+    }
+
+    /// Err while reads fail.
+    fn read(&self) -> Result<(), StoreError> {
+        if self.fault.reads.load(Ordering::SeqCst) {
+            return Err(StoreError::Unavailable(INJECTED.into()));
+        }
+        Ok(())
     }
 }
 
@@ -62,10 +79,12 @@ impl Store for FaultyStore {
     }
 
     async fn get(&self, id: &str) -> Result<Option<ConversationMeta>, StoreError> {
+        self.read()?;
         self.inner.get(id).await
     }
 
     async fn list(&self, user: Option<&str>) -> Result<Vec<ConversationMeta>, StoreError> {
+        self.read()?;
         self.inner.list(user).await
     }
 
@@ -75,14 +94,17 @@ impl Store for FaultyStore {
         after: u64,
         limit: usize,
     ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
+        self.read()?;
         self.inner.events(id, after, limit).await
     }
 
     async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+        self.read()?;
         self.inner.snapshot(id, tail).await
     }
 
     async fn unfinished(&self) -> Result<Vec<ConversationMeta>, StoreError> {
+        self.read()?;
         self.inner.unfinished().await
     }
 
@@ -105,7 +127,7 @@ impl Store for FaultyStore {
     }
 
     fn health(&self) -> Result<(), String> {
-        if self.failing() {
+        if self.failing() || self.read().is_err() {
             return Err(INJECTED.into());
         }
         self.inner.health()

@@ -17,7 +17,10 @@ export class Conversation extends Emitter {
     this.client = client;
     this.id = id;
     this.mode = mode;
-    this.compact = !!compact;
+    // true: every attach asks for a compact replay; 'fresh': only one
+    // from nothing (last seq 0), so that a resume from a known seq gets
+    // every event it missed.
+    this.compact = compact === 'fresh' ? 'fresh' : !!compact;
     this.transcript = restore(saved);
     // Should be attached: re-attach after reconnects. Cleared by detach()
     // and by the server detaching it (closed, user limit, ...).
@@ -169,8 +172,7 @@ export class Conversation extends Emitter {
   sendAttach() {
     if (!this.wanted || !this.client.connected || this.attachReq !== null) return;
     const frame = { type: 'attach', conversation_id: this.id, last_seq: this.lastSeq, mode: this.mode };
-    // Not after a gap: the full replay is the one to trust then.
-    if (this.compact && !this.resyncing) frame.compact = true;
+    if (this.asksCompact()) frame.compact = true;
     const req = this.client.nextReq();
     this.attachReq = req;
     this.client.request({ ...frame, req }).catch((err) => {
@@ -183,6 +185,13 @@ export class Conversation extends Emitter {
       this.settleAttach(err);
       this.failOutbox(err);
     });
+  }
+
+  // Whether the next attach asks for a compact replay. Not after a gap:
+  // the full replay is the one to trust then.
+  asksCompact() {
+    if (!this.compact || this.resyncing) return false;
+    return this.compact !== 'fresh' || this.lastSeq === 0;
   }
 
   onConnected() {

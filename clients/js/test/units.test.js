@@ -105,6 +105,29 @@ test('a compact replay may not skip anything outside a turn', () => {
   assert.equal(attaches[1].compact, undefined, 'in full this time');
 });
 
+test("compact: 'fresh' asks for a compact replay from nothing only, not to resume", () => {
+  const client = fakeClient();
+  const conv = new Conversation(client, 'c_1', { compact: 'fresh' });
+  conv.attach();
+  assert.equal(client.frames[0].last_seq, 0);
+  assert.equal(client.frames[0].compact, true, 'a first open is compact');
+  attached(conv, { head_seq: 3, replay_from: 1, compact: true });
+  for (const s of [1, 2, 3]) conv.onEventFrame(ev(s, 'agent_started'));
+  // The connection drops; the re-attach resumes from seq 3, in full.
+  conv.onDisconnected();
+  conv.onConnected();
+  const again = client.frames.filter((f) => f.type === 'attach').at(-1);
+  assert.equal(again.last_seq, 3);
+  assert.equal(again.compact, undefined, 'a resume from a known seq is not compact');
+
+  // A handle that starts from a stored seq is never compact.
+  const stored = fakeClient();
+  const resumed = new Conversation(stored, 'c_1', { compact: 'fresh', saved: { lastSeq: 9 } });
+  resumed.attach();
+  assert.equal(stored.frames[0].last_seq, 9);
+  assert.equal(stored.frames[0].compact, undefined);
+});
+
 test('without compact: true in the reply, gaps are not allowed even in the replay', () => {
   const client = fakeClient();
   const conv = new Conversation(client, 'c_1', { compact: true });
