@@ -23,6 +23,10 @@
 //! (in the OS page cache) before its callback runs, which survives a SIGKILL
 //! of the process; only a power loss can take the last commits back.
 //!
+//! Files: `schema.rs` (tables, rows to types), `connections.rs` (opening
+//! connections, the read pool), `queries.rs` (reads), `writer.rs` (the
+//! writer thread and the writes), `checkpoint.rs`, `threads.rs`.
+//!
 //! The store checks what it is given: an append whose events do not follow
 //! the stored `head_seq` one by one, that creates an existing conversation or
 //! appends to a missing one fails (alone: the rest of its group commits).
@@ -37,9 +41,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod checkpoint;
-mod reader;
+mod connections;
+mod queries;
+mod schema;
 #[cfg(test)]
 mod tests;
+mod threads;
 mod writer;
 
 use async_trait::async_trait;
@@ -53,7 +60,9 @@ use super::{
 use crate::event::EventRecord;
 use crate::protocol::Status;
 use checkpoint::*;
-use reader::*;
+use connections::*;
+use schema::*;
+use threads::*;
 use writer::*;
 
 /// Most commands one transaction takes. Large enough that a burst is a
@@ -89,43 +98,6 @@ const CATCH_UP_PASSES: usize = 8;
 /// stops waiting for an idle moment: under sustained load the WAL would
 /// otherwise grow without bound.
 const RESTART_WITHIN_GROUPS: u32 = 256;
-
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS conversations (
-    id                    TEXT PRIMARY KEY NOT NULL,
-    user                  TEXT NOT NULL,
-    title                 TEXT NOT NULL,
-    status                TEXT NOT NULL,
-    created_at            TEXT NOT NULL,
-    last_activity_at      TEXT NOT NULL,
-    head_seq              INTEGER NOT NULL,
-    close_delay_ms        INTEGER,
-    observers             TEXT NOT NULL DEFAULT '[]',
-    current_turn_id       TEXT,
-    last_turn_message_seq INTEGER NOT NULL DEFAULT 0
-);
--- On `user` alone: an index that held last_activity_at would be rewritten by
--- nearly every commit, and one user's rows are few enough to sort.
-CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations (user);
-CREATE TABLE IF NOT EXISTS events (
-    conversation_id TEXT NOT NULL,
-    seq             INTEGER NOT NULL,
-    ts              TEXT NOT NULL,
-    kind            TEXT NOT NULL,
-    data            TEXT NOT NULL,
-    PRIMARY KEY (conversation_id, seq)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS events_by_ts ON events (ts);
-CREATE TABLE IF NOT EXISTS client_msgs (
-    conversation_id TEXT NOT NULL,
-    client_msg_id   TEXT NOT NULL,
-    seq             INTEGER NOT NULL,
-    PRIMARY KEY (conversation_id, client_msg_id)
-) WITHOUT ROWID;
-";
-
-const META_COLUMNS: &str = "id, user, title, status, created_at, last_activity_at, head_seq, \
-     close_delay_ms, observers, current_turn_id, last_turn_message_seq";
 
 /// The embedded store. Cheap to share behind an `Arc`; dropping the last
 /// handle lets the writer finish what is queued and close the database.
@@ -256,33 +228,13 @@ impl Store for SqliteStore {
 
     async fn get(&self, id: &str) -> Result<Option<ConversationMeta>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| get_meta(conn, &id)).await
+        self.read(move |conn| queries::get_meta(conn, &id)).await
     }
 
     async fn list(&self, user: Option<&str>) -> Result<Vec<ConversationMeta>, StoreError> {
         let user = user.map(str::to_owned);
-        self.read(move |conn| {
-            let rows = match &user {
-                Some(user) => {
-                    let mut stmt = conn.prepare_cached(&format!(
-                        "SELECT {META_COLUMNS} FROM conversations WHERE user = ?1 \
-                         ORDER BY last_activity_at DESC, id"
-                    ))?;
-                    let rows = stmt.query_map([user], RawMeta::from_row)?;
-                    rows.collect::<Result<Vec<_>, _>>()?
-                }
-                None => {
-                    let mut stmt = conn.prepare_cached(&format!(
-                        "SELECT {META_COLUMNS} FROM conversations \
-                         ORDER BY last_activity_at DESC, id"
-                    ))?;
-                    let rows = stmt.query_map([], RawMeta::from_row)?;
-                    rows.collect::<Result<Vec<_>, _>>()?
-                }
-            };
-            rows.into_iter().map(RawMeta::into_meta).collect()
-        })
-        .await
+        self.read(move |conn| queries::list(conn, user.as_deref()))
+            .await
     }
 
     async fn events(
@@ -292,92 +244,18 @@ impl Store for SqliteStore {
         limit: usize,
     ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| {
-            let mut stmt = conn.prepare_cached(
-                "SELECT seq, ts, kind, data FROM events \
-                 WHERE conversation_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
-            )?;
-            let rows = stmt.query_map(
-                params![id, clamp_i64(after), clamp_i64(limit as u64)],
-                |row| event_from_row(&id, row),
-            )?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })
-        .await
+        self.read(move |conn| queries::events(conn, &id, after, limit))
+            .await
     }
 
     async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| {
-            // One read transaction, so that the row, the tail and the queue
-            // are of the same commit.
-            let tx = conn.transaction()?;
-            let Some(meta) = get_meta(&tx, &id)? else {
-                return Ok(None);
-            };
-            let mut tail_events = {
-                let mut stmt = tx.prepare_cached(
-                    "SELECT seq, ts, kind, data FROM events \
-                     WHERE conversation_id = ?1 ORDER BY seq DESC LIMIT ?2",
-                )?;
-                let rows = stmt.query_map(params![id, clamp_i64(tail as u64)], |row| {
-                    event_from_row(&id, row)
-                })?;
-                rows.collect::<Result<Vec<_>, _>>()?
-            };
-            tail_events.reverse();
-            let queued = {
-                let mut stmt = tx.prepare_cached(
-                    "SELECT seq, data FROM events WHERE conversation_id = ?1 AND seq > ?2 \
-                     AND kind = 'user_message' ORDER BY seq",
-                )?;
-                let rows = stmt
-                    .query_map(params![id, clamp_i64(meta.last_turn_message_seq)], |row| {
-                        Ok((row.get::<_, u64>(0)?, row.get::<_, String>(1)?))
-                    })?;
-                let rows = rows.collect::<Result<Vec<_>, _>>()?;
-                rows.into_iter()
-                    .map(|(seq, data)| {
-                        Ok(QueuedMessage {
-                            seq,
-                            text: message_text(&data).ok_or_else(|| {
-                                StoreError::Backend(format!(
-                                    "conversation {id}: user_message {seq} has no text"
-                                ))
-                            })?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>, StoreError>>()?
-            };
-            let client_msg_ids = {
-                let mut stmt = tx.prepare_cached(
-                    "SELECT client_msg_id, seq FROM client_msgs \
-                     WHERE conversation_id = ?1 ORDER BY seq",
-                )?;
-                let rows = stmt.query_map([&id], |row| Ok((row.get(0)?, row.get(1)?)))?;
-                rows.collect::<Result<Vec<_>, _>>()?
-            };
-            Ok(Some(Snapshot {
-                meta,
-                tail: tail_events,
-                queued,
-                client_msg_ids,
-            }))
-        })
-        .await
+        self.read(move |conn| queries::snapshot(conn, &id, tail))
+            .await
     }
 
     async fn unfinished(&self) -> Result<Vec<ConversationMeta>, StoreError> {
-        self.read(|conn| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {META_COLUMNS} FROM conversations WHERE status != 'stopped' \
-                 ORDER BY last_activity_at DESC, id"
-            ))?;
-            let rows = stmt.query_map([], RawMeta::from_row)?;
-            let rows = rows.collect::<Result<Vec<_>, _>>()?;
-            rows.into_iter().map(RawMeta::into_meta).collect()
-        })
-        .await
+        self.read(|conn| queries::unfinished(conn)).await
     }
 
     async fn delete(&self, id: &str) -> Result<bool, StoreError> {

@@ -563,30 +563,3 @@ pub(super) fn prune_chunk(conn: &Connection, cutoff: &str) -> Result<i64, StoreE
         .execute(params![cutoff, PRUNE_CHUNK])?;
     Ok(n as i64)
 }
-
-// ---------------------------------------------------------------------------
-// Connections and rows
-
-pub(super) fn open_writer(path: &Path) -> Result<Connection, StoreError> {
-    let conn = Connection::open(path)?;
-    let mode: String =
-        conn.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))?;
-    if !mode.eq_ignore_ascii_case("wal") {
-        return Err(StoreError::Backend(format!(
-            "{}: journal_mode is {mode}, WAL is required",
-            path.display()
-        )));
-    }
-    conn.pragma_update(None, "synchronous", "NORMAL")?;
-    // Checkpoints are the checkpointer's job (see `Checkpointer`).
-    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
-    // No journal_size_limit: cutting a WAL that grew under load back when
-    // it starts over took the writer tens of milliseconds; the checkpointer
-    // truncates it once the store is idle instead.
-    conn.pragma_update(None, "cache_size", -16 * 1024)?;
-    conn.pragma_update(None, "foreign_keys", false)?;
-    conn.busy_timeout(Duration::from_secs(5))?;
-    conn.set_prepared_statement_cache_capacity(64);
-    conn.execute_batch(SCHEMA)?;
-    Ok(conn)
-}

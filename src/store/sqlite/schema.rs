@@ -1,41 +1,45 @@
-//! Read-only connections: the small pool reads run on, and the queries
-//! behind `get`, `list`, `events`, `snapshot` and `unfinished`.
+//! The database's shape: the tables, and how their rows become linger's
+//! types (summaries, events) and back.
 
 use super::*;
 
-pub(super) fn open_reader(path: &Path) -> Result<Connection, StoreError> {
-    let conn = Connection::open_with_flags(
-        path,
-        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.busy_timeout(Duration::from_secs(5))?;
-    conn.set_prepared_statement_cache_capacity(32);
-    Ok(conn)
-}
+pub(super) const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS conversations (
+    id                    TEXT PRIMARY KEY NOT NULL,
+    user                  TEXT NOT NULL,
+    title                 TEXT NOT NULL,
+    status                TEXT NOT NULL,
+    created_at            TEXT NOT NULL,
+    last_activity_at      TEXT NOT NULL,
+    head_seq              INTEGER NOT NULL,
+    close_delay_ms        INTEGER,
+    observers             TEXT NOT NULL DEFAULT '[]',
+    current_turn_id       TEXT,
+    last_turn_message_seq INTEGER NOT NULL DEFAULT 0
+);
+-- On `user` alone: an index that held last_activity_at would be rewritten by
+-- nearly every commit, and one user's rows are few enough to sort.
+CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations (user);
+CREATE TABLE IF NOT EXISTS events (
+    conversation_id TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    ts              TEXT NOT NULL,
+    kind            TEXT NOT NULL,
+    data            TEXT NOT NULL,
+    PRIMARY KEY (conversation_id, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS events_by_ts ON events (ts);
+CREATE TABLE IF NOT EXISTS client_msgs (
+    conversation_id TEXT NOT NULL,
+    client_msg_id   TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    PRIMARY KEY (conversation_id, client_msg_id)
+) WITHOUT ROWID;
+";
 
-pub(super) struct Readers {
-    pub(super) path: PathBuf,
-    pub(super) idle: Mutex<Vec<Connection>>,
-}
-
-impl Readers {
-    pub(super) fn with<T>(
-        &self,
-        f: impl FnOnce(&mut Connection) -> Result<T, StoreError>,
-    ) -> Result<T, StoreError> {
-        let idle = self.idle.lock().expect("reader pool poisoned").pop();
-        let mut conn = match idle {
-            Some(conn) => conn,
-            None => open_reader(&self.path)?,
-        };
-        let result = f(&mut conn);
-        let mut idle = self.idle.lock().expect("reader pool poisoned");
-        if idle.len() < MAX_IDLE_READERS {
-            idle.push(conn);
-        }
-        result
-    }
-}
+pub(super) const META_COLUMNS: &str =
+    "id, user, title, status, created_at, last_activity_at, head_seq, \
+     close_delay_ms, observers, current_turn_id, last_turn_message_seq";
 
 /// A conversations row as stored, before the checks that turn it into a
 /// [`ConversationMeta`] (a row-mapping closure can only return SQLite errors).
@@ -92,19 +96,6 @@ impl RawMeta {
             last_turn_message_seq: self.last_turn_message_seq,
         })
     }
-}
-
-pub(super) fn get_meta(
-    conn: &Connection,
-    id: &str,
-) -> Result<Option<ConversationMeta>, StoreError> {
-    let raw = conn
-        .prepare_cached(&format!(
-            "SELECT {META_COLUMNS} FROM conversations WHERE id = ?1"
-        ))?
-        .query_row([id], RawMeta::from_row)
-        .optional()?;
-    raw.map(RawMeta::into_meta).transpose()
 }
 
 pub(super) fn parse_observers(id: &str, json: &str) -> Result<Vec<String>, StoreError> {
@@ -165,32 +156,4 @@ pub(super) fn intern_kind(kind: &str) -> Arc<str> {
 /// SQLite integers are signed; seqs and limits never come near the top.
 pub(super) fn clamp_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
-}
-
-pub(super) fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<Joined, StoreError> {
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn(f)
-        .map(|h| Joined(Some(h)))
-        .map_err(|e| StoreError::Backend(format!("spawn {name}: {e}")))
-}
-
-/// Joins a store thread when the store is dropped, so that a reopened store
-/// sees everything the old one had queued.
-pub(super) struct Joined(Option<JoinHandle<()>>);
-
-impl Drop for Joined {
-    fn drop(&mut self) {
-        let Some(handle) = self.0.take() else {
-            return;
-        };
-        // The last handle may be dropped by a callback, on the writer
-        // itself: joining there would deadlock, and the writer ends anyway.
-        if handle.thread().id() == std::thread::current().id() {
-            return;
-        }
-        if handle.join().is_err() {
-            tracing::error!("store: a store thread panicked");
-        }
-    }
 }

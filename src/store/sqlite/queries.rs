@@ -1,0 +1,135 @@
+//! The read queries behind `get`, `list`, `events`, `snapshot` and
+//! `unfinished`, each a function over one read-only connection.
+
+use super::*;
+
+pub(super) fn get_meta(
+    conn: &Connection,
+    id: &str,
+) -> Result<Option<ConversationMeta>, StoreError> {
+    let raw = conn
+        .prepare_cached(&format!(
+            "SELECT {META_COLUMNS} FROM conversations WHERE id = ?1"
+        ))?
+        .query_row([id], RawMeta::from_row)
+        .optional()?;
+    raw.map(RawMeta::into_meta).transpose()
+}
+
+/// Summaries of one user's conversations (every user's for `None`), newest
+/// activity first.
+pub(super) fn list(
+    conn: &Connection,
+    user: Option<&str>,
+) -> Result<Vec<ConversationMeta>, StoreError> {
+    let rows = match user {
+        Some(user) => {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {META_COLUMNS} FROM conversations WHERE user = ?1 \
+                         ORDER BY last_activity_at DESC, id"
+            ))?;
+            let rows = stmt.query_map([user], RawMeta::from_row)?;
+            rows.collect::<Result<Vec<_>, _>>()?
+        }
+        None => {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {META_COLUMNS} FROM conversations \
+                         ORDER BY last_activity_at DESC, id"
+            ))?;
+            let rows = stmt.query_map([], RawMeta::from_row)?;
+            rows.collect::<Result<Vec<_>, _>>()?
+        }
+    };
+    rows.into_iter().map(RawMeta::into_meta).collect()
+}
+
+/// Stored events with seq > `after`, oldest first, at most `limit`.
+pub(super) fn events(
+    conn: &Connection,
+    id: &str,
+    after: u64,
+    limit: usize,
+) -> Result<Vec<Arc<EventRecord>>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, ts, kind, data FROM events \
+                 WHERE conversation_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+    )?;
+    let rows = stmt.query_map(
+        params![id, clamp_i64(after), clamp_i64(limit as u64)],
+        |row| event_from_row(id, row),
+    )?;
+    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Everything needed to reactivate a conversation, with its last `tail`
+/// events.
+pub(super) fn snapshot(
+    conn: &mut Connection,
+    id: &str,
+    tail: usize,
+) -> Result<Option<Snapshot>, StoreError> {
+    // One read transaction, so that the row, the tail and the queue
+    // are of the same commit.
+    let tx = conn.transaction()?;
+    let Some(meta) = get_meta(&tx, id)? else {
+        return Ok(None);
+    };
+    let mut tail_events = {
+        let mut stmt = tx.prepare_cached(
+            "SELECT seq, ts, kind, data FROM events \
+                     WHERE conversation_id = ?1 ORDER BY seq DESC LIMIT ?2",
+        )?;
+        let rows = stmt.query_map(params![id, clamp_i64(tail as u64)], |row| {
+            event_from_row(id, row)
+        })?;
+        rows.collect::<Result<Vec<_>, _>>()?
+    };
+    tail_events.reverse();
+    let queued = {
+        let mut stmt = tx.prepare_cached(
+            "SELECT seq, data FROM events WHERE conversation_id = ?1 AND seq > ?2 \
+                     AND kind = 'user_message' ORDER BY seq",
+        )?;
+        let rows = stmt.query_map(params![id, clamp_i64(meta.last_turn_message_seq)], |row| {
+            Ok((row.get::<_, u64>(0)?, row.get::<_, String>(1)?))
+        })?;
+        let rows = rows.collect::<Result<Vec<_>, _>>()?;
+        rows.into_iter()
+            .map(|(seq, data)| {
+                Ok(QueuedMessage {
+                    seq,
+                    text: message_text(&data).ok_or_else(|| {
+                        StoreError::Backend(format!(
+                            "conversation {id}: user_message {seq} has no text"
+                        ))
+                    })?,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?
+    };
+    let client_msg_ids = {
+        let mut stmt = tx.prepare_cached(
+            "SELECT client_msg_id, seq FROM client_msgs \
+                     WHERE conversation_id = ?1 ORDER BY seq",
+        )?;
+        let rows = stmt.query_map([id], |row| Ok((row.get(0)?, row.get(1)?)))?;
+        rows.collect::<Result<Vec<_>, _>>()?
+    };
+    Ok(Some(Snapshot {
+        meta,
+        tail: tail_events,
+        queued,
+        client_msg_ids,
+    }))
+}
+
+/// Conversations not stored as `stopped`.
+pub(super) fn unfinished(conn: &Connection) -> Result<Vec<ConversationMeta>, StoreError> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {META_COLUMNS} FROM conversations WHERE status != 'stopped' \
+                 ORDER BY last_activity_at DESC, id"
+    ))?;
+    let rows = stmt.query_map([], RawMeta::from_row)?;
+    let rows = rows.collect::<Result<Vec<_>, _>>()?;
+    rows.into_iter().map(RawMeta::into_meta).collect()
+}
