@@ -1233,7 +1233,7 @@ async fn close_for_lost_node(
     claimed: bool,
 ) -> Result<(), StoreError> {
     if !claimed {
-        match store.get(id).await? {
+        match cluster.store.summary(id).await? {
             Some(meta) if meta.status != Status::Stopped => {}
             _ => return Ok(()),
         }

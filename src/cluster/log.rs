@@ -215,11 +215,29 @@ impl EventLog {
         node: &str,
         floor_seq: u64,
     ) -> Result<Fence, ClusterError> {
+        self.take_over_from(conversation, term, node, floor_seq, None)
+            .await
+    }
+
+    /// [`EventLog::take_over`] starting from a head the caller just read
+    /// from the leader (a claim reads it to choose the term): a takeover is
+    /// then one publish when nothing else moves.
+    pub async fn take_over_from(
+        &self,
+        conversation: &str,
+        term: u64,
+        node: &str,
+        floor_seq: u64,
+        mut known: Option<Head>,
+    ) -> Result<Fence, ClusterError> {
         check_token(node)?;
         let subject = self.subject(conversation)?;
         let deadline = tokio::time::Instant::now() + self.cluster.options.op_timeout;
         loop {
-            let head = self.head(conversation).await?;
+            let head = match known.take() {
+                Some(head) => head,
+                None => self.head(conversation).await?,
+            };
             if head.term >= term {
                 return Err(ClusterError::Fenced {
                     conversation: conversation.to_owned(),
@@ -240,9 +258,21 @@ impl EventLog {
                 .publish_once(&subject, head.stream_seq, headers, Bytes::new())
                 .await
             {
+                Ok(stored) if !stored.duplicate => {
+                    // Stored right after the head it was conditional on: the
+                    // fence is in place. (Anything later is a later term's,
+                    // which refuses our first append.)
+                    return Ok(Fence {
+                        conversation: conversation.to_owned(),
+                        term,
+                        node: node.to_owned(),
+                        expected: stored.seq,
+                        head_seq: seq,
+                    });
+                }
                 Ok(_) | Err(Refusal::WrongLast) => {
-                    // Stored now or before (duplicate), or someone appended
-                    // in between: the head read next says which.
+                    // Stored before (duplicate), or someone appended in
+                    // between: the head read next says which.
                 }
                 Err(Refusal::Unavailable(why)) => {
                     if tokio::time::Instant::now() >= deadline {
@@ -345,7 +375,7 @@ impl EventLog {
                     .publish_once(subject, fence.expected, headers, payload)
                     .await
                 {
-                    Ok(seq) => Ok(seq),
+                    Ok(stored) => Ok(stored.seq),
                     Err(Refusal::Unavailable(why)) => Err(ClusterError::Unavailable(why)),
                     Err(Refusal::WrongLast) => {
                         // Ours, stored by an earlier try whose ack was lost
@@ -363,15 +393,14 @@ impl EventLog {
         .await
     }
 
-    /// One conditional publish: the stream sequence it got (or had, for a
-    /// duplicate), or why not.
+    /// One conditional publish: where it was stored, or why not.
     async fn publish_once(
         &self,
         subject: &str,
         expected: u64,
         mut headers: HeaderMap,
         payload: Bytes,
-    ) -> Result<u64, Refusal> {
+    ) -> Result<Stored, Refusal> {
         if self.cluster.client.connection_state() != async_nats::connection::State::Connected {
             return Err(Refusal::Unavailable("not connected to NATS".into()));
         }
@@ -387,7 +416,10 @@ impl EventLog {
             .map_err(|e| Refusal::Unavailable(e.to_string()))?
             .await;
         match ack {
-            Ok(ack) => Ok(ack.sequence),
+            Ok(ack) => Ok(Stored {
+                seq: ack.sequence,
+                duplicate: ack.duplicate,
+            }),
             Err(e) => Err(classify(&e)),
         }
     }
@@ -622,6 +654,14 @@ impl EventLog {
         )
         .await
     }
+}
+
+/// Where a conditional publish was stored.
+struct Stored {
+    /// The stream sequence it got (or had, for a duplicate).
+    seq: u64,
+    /// Stored by an earlier publish with the same `Nats-Msg-Id`.
+    duplicate: bool,
 }
 
 /// Why a conditional publish was not stored.

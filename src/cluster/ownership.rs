@@ -167,7 +167,11 @@ impl Ownership {
                 Err(ClusterError::LeaseHeld { .. }) => continue,
                 Err(e) => return Err(e.into()),
             };
-            match self.store.take_over(conversation, term).await {
+            match self
+                .store
+                .take_over_from(conversation, term, Some(head))
+                .await
+            {
                 Ok(_) => {
                     self.held().insert(conversation.to_owned(), lease);
                     return Ok(Claim::Owned);

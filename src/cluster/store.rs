@@ -24,7 +24,7 @@ use async_trait::async_trait;
 use tokio::sync::{mpsc, watch};
 use tracing::warn;
 
-use super::log::{EventLog, Fence};
+use super::log::{EventLog, Fence, Head};
 use super::meta::Summaries;
 use super::{Cluster, ClusterError};
 use crate::protocol::Status;
@@ -72,11 +72,21 @@ impl NatsStore {
     /// fences earlier owners out, and returns the head seq (appends go on
     /// from head + 1). For a new conversation the head is 0.
     pub async fn take_over(&self, conversation: &str, term: u64) -> Result<u64, StoreError> {
+        self.take_over_from(conversation, term, None).await
+    }
+
+    /// [`NatsStore::take_over`] from a head just read from the leader.
+    pub async fn take_over_from(
+        &self,
+        conversation: &str,
+        term: u64,
+        head: Option<Head>,
+    ) -> Result<u64, StoreError> {
         let known = self.summaries.get_with_revision(conversation).await?;
         let floor = known.as_ref().map_or(0, |(m, _)| m.head_seq);
         let fence = self
             .log
-            .take_over(conversation, term, &self.node, floor)
+            .take_over_from(conversation, term, &self.node, floor, head)
             .await?;
         let head = fence.head_seq;
         let (tx, rx) = mpsc::unbounded_channel();
@@ -90,6 +100,15 @@ impl NatsStore {
         self.lock()
             .insert(conversation.to_owned(), Owned { queue: tx });
         Ok(head)
+    }
+
+    /// The summary as stored, without the head read `Store::get` adds:
+    /// for deciding from its status alone.
+    pub async fn summary(
+        &self,
+        conversation: &str,
+    ) -> Result<Option<ConversationMeta>, StoreError> {
+        Ok(self.summaries.get(conversation).await?)
     }
 
     /// Stops writing for a conversation here (stopped, moved, shut down).
