@@ -1,6 +1,7 @@
 //! The `linger` binary: `linger serve [--config PATH]` (SIGTERM and Ctrl-C
 //! stop it gracefully, SIGHUP reloads its configuration), and the terminal
-//! client (`new`, `ls`, `send`, `attach`, in `src/cli/`).
+//! client (`new`, `ls`, `send`, `attach`; for admins `ps`, `top`,
+//! `reload`; in `src/cli/`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -47,6 +48,12 @@ enum Command {
     Send(cli::send::Args),
     /// Follow a conversation in the terminal and chat; Ctrl-D detaches.
     Attach(cli::attach::Args),
+    /// Admins: the conversations active on the server.
+    Ps(cli::ps::Args),
+    /// Admins: `ps` and the latest supervision decisions, refreshed until q.
+    Top(cli::top::Args),
+    /// Admins: make the server re-read its configuration (as SIGHUP does).
+    Reload(cli::reload::Args),
     /// Drive a server with load over loopback websockets and report
     /// throughput, latency, CPU and memory (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
@@ -162,6 +169,9 @@ async fn main() -> anyhow::Result<()> {
         Some(Command::Ls(args)) => return client(cli::ls::run(args).await),
         Some(Command::Send(args)) => return client(cli::send::run(args).await),
         Some(Command::Attach(args)) => return client(cli::attach::run(args).await),
+        Some(Command::Ps(args)) => return client(cli::ps::run(args).await),
+        Some(Command::Top(args)) => return client(cli::top::run(args).await),
+        Some(Command::Reload(args)) => return client(cli::reload::run(args).await),
         None => cli.serve.config,
     };
     let config = match Config::load(config_path.as_deref()) {

@@ -132,7 +132,7 @@ async fn admins_see_what_runs_now_and_why_things_stopped() {
         "{evicted:#}"
     );
     assert_eq!(evicted["inputs"]["max_per_user"], 1);
-    assert_eq!(evicted["inputs"]["activating"], Value::Null);
+    assert_eq!(evicted["inputs"]["activating"], second.as_str());
     assert_eq!(evicted["inputs"]["reason"], "user_limit");
     assert!(evicted["seq"].as_u64().unwrap() > head);
     let list = active_until(&server, "the second only", |l| {

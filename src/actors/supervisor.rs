@@ -598,7 +598,7 @@ impl State {
         let result = if self.shutdown.is_some() {
             Err(ActivateError::ShuttingDown)
         } else {
-            match self.make_room(&user, None, others) {
+            match self.make_room(&user, Some(&id), others) {
                 Ok(()) => {
                     let origin = Origin::New {
                         title,
