@@ -155,6 +155,7 @@ impl Reloader {
         let trigger = trigger.describe();
         error!(rule = "config_reload", trigger = %trigger, error = %e,
             "configuration not reloaded: the running configuration stays");
+        crate::metrics::config_reloaded("invalid");
         self.decisions.record(NewDecision {
             rule: "config_reload",
             conversation: None,
@@ -259,6 +260,7 @@ impl Reloader {
             .join(", ");
         info!(rule = "config_reload", trigger = %trigger_text, outcome, changed = %listed,
             refused = %refused_list, "configuration reloaded");
+        crate::metrics::config_reloaded(outcome);
         for r in refused {
             warn!(rule = "config_reload", key = %r.key, "{}", r.message);
         }

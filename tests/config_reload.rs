@@ -175,6 +175,14 @@ async fn a_broken_file_keeps_the_running_values_and_names_the_key() {
         .call("POST", "/v1/admin/reload", Some("alice"), None)
         .await;
     assert_eq!(status, 404);
+    // Counted for alerts (README, "Metrics").
+    let (_, metrics) = server.get("/metrics", None).await;
+    assert!(
+        metrics
+            .as_str()
+            .is_some_and(|m| m.contains("linger_config_reloads_total{outcome=\"invalid\"} 2")),
+        "{metrics}"
+    );
 
     // The running limit is still 2: two conversations stay active.
     let mut alice = server.connect("alice").await;
