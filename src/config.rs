@@ -10,6 +10,11 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
+pub mod keys;
+pub mod live;
+
+pub use live::{ConfigOwner, LiveConfig};
+
 /// Where `linger serve` looks for its config when `--config` is not given.
 pub const DEFAULT_CONFIG_PATH: &str = "config/linger.toml";
 
@@ -201,10 +206,22 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
+    /// A tracing filter (`info`, `warn,linger=debug`); the `LINGER_LOG`
+    /// environment variable, when set, wins over it.
+    pub level: String,
     pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".into(),
+            format: LogFormat::Pretty,
+        }
+    }
 }
 
 /// Where history and ownership live (protocol §10).
@@ -287,8 +304,12 @@ impl Config {
         Ok(config)
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks what serde cannot: ranges and keys that depend on each other.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, why: &str| Err(ConfigError::Invalid(format!("{key}: {why}")));
+        if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&self.log.level) {
+            return bad("log.level", &format!("not a tracing filter: {e}"));
+        }
         if self.conversations.replay_buffer_events == 0 {
             return bad("conversations.replay_buffer_events", "must be at least 1");
         }

@@ -13,8 +13,11 @@
 //!   JetStream foundation of cluster mode (log, fence, leases, summaries).
 //! - [`gateway`]: axum routes: `/v1/ws`, REST, `/healthz`, `/metrics`,
 //!   `/v1/openapi.json`.
-//! - [`config`]: the TOML file and its env overrides; [`server`]: start and
-//!   graceful shutdown; [`metrics`]: Prometheus names.
+//! - [`config`]: the TOML file, its env overrides and the running
+//!   configuration; [`reload`]: changing it live (SIGHUP,
+//!   `POST /v1/admin/reload`); [`logging`]: stderr logs whose level and
+//!   format a reload changes; [`server`]: start and graceful shutdown;
+//!   [`metrics`]: Prometheus names.
 
 pub mod actors;
 pub mod agent;
@@ -22,8 +25,10 @@ pub mod cluster;
 pub mod config;
 pub mod event;
 pub mod gateway;
+pub mod logging;
 pub mod metrics;
 pub mod protocol;
 pub mod recovery;
+pub mod reload;
 pub mod server;
 pub mod store;

@@ -1,13 +1,15 @@
-//! The `linger` binary: `linger serve [--config PATH]`, and the terminal
-//! client (`new`, `ls`, `send`, `attach`, in `src/cli/`).
+//! The `linger` binary: `linger serve [--config PATH]` (SIGTERM and Ctrl-C
+//! stop it gracefully, SIGHUP reloads its configuration), and the terminal
+//! client (`new`, `ls`, `send`, `attach`; for admins `ps`, `top`,
+//! `reload`; in `src/cli/`).
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use linger::config::{Config, LogFormat};
-use linger::server::Server;
-use tracing_subscriber::EnvFilter;
+use linger::config::Config;
+use linger::reload::{ConfigSource, Reloader, Trigger};
+use linger::server::{Server, Setup};
 
 mod bench;
 mod cli;
@@ -46,25 +48,62 @@ enum Command {
     Send(cli::send::Args),
     /// Follow a conversation in the terminal and chat; Ctrl-D detaches.
     Attach(cli::attach::Args),
+    /// Admins: the conversations active on the server.
+    Ps(cli::ps::Args),
+    /// Admins: `ps` and the latest supervision decisions, refreshed until q.
+    Top(cli::top::Args),
+    /// Admins: make the server re-read its configuration (as SIGHUP does).
+    Reload(cli::reload::Args),
     /// Drive a server with load over loopback websockets and report
     /// throughput, latency, CPU and memory (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_env("LINGER_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Pretty => builder.init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .init(),
+/// Starts listening for a signal (from then on, it no longer has its
+/// default effect); says so on stderr when it cannot.
+#[cfg(unix)]
+fn listen_for(
+    kind: tokio::signal::unix::SignalKind,
+    name: &str,
+) -> Option<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(kind)
+        .map_err(|e| eprintln!("linger: cannot listen for {name}: {e}"))
+        .ok()
+}
+
+/// SIGHUP, listened for from before the server starts (its default
+/// action would end the process): each one reloads the configuration.
+struct ReloadSignal {
+    #[cfg(unix)]
+    stream: Option<tokio::signal::unix::Signal>,
+}
+
+impl ReloadSignal {
+    fn install() -> ReloadSignal {
+        #[cfg(unix)]
+        {
+            let kind = tokio::signal::unix::SignalKind::hangup();
+            ReloadSignal {
+                stream: listen_for(kind, "SIGHUP"),
+            }
+        }
+        #[cfg(not(unix))]
+        ReloadSignal {}
+    }
+
+    /// Reloads at each signal, for as long as the process runs. Errors are
+    /// logged by the reloader (a bad file changes nothing).
+    fn serve(self, reloader: Arc<Reloader>) {
+        #[cfg(unix)]
+        if let Some(mut stream) = self.stream {
+            tokio::spawn(async move {
+                while stream.recv().await.is_some() {
+                    let _ = reloader.reload(Trigger::Signal).await;
+                }
+            });
+        }
+        #[cfg(not(unix))]
+        let _ = reloader;
     }
 }
 
@@ -80,17 +119,14 @@ impl ShutdownSignals {
     fn install() -> ShutdownSignals {
         #[cfg(unix)]
         {
-            use tokio::signal::unix::{signal, SignalKind};
-            let mut streams = Vec::new();
-            for (kind, name) in [
+            use tokio::signal::unix::SignalKind;
+            let streams = [
                 (SignalKind::terminate(), "SIGTERM"),
                 (SignalKind::interrupt(), "SIGINT"),
-            ] {
-                match signal(kind) {
-                    Ok(stream) => streams.push(stream),
-                    Err(e) => eprintln!("linger: cannot listen for {name}: {e}"),
-                }
-            }
+            ]
+            .into_iter()
+            .filter_map(|(kind, name)| listen_for(kind, name))
+            .collect();
             ShutdownSignals { streams }
         }
         #[cfg(not(unix))]
@@ -133,6 +169,9 @@ async fn main() -> anyhow::Result<()> {
         Some(Command::Ls(args)) => return client(cli::ls::run(args).await),
         Some(Command::Send(args)) => return client(cli::send::run(args).await),
         Some(Command::Attach(args)) => return client(cli::attach::run(args).await),
+        Some(Command::Ps(args)) => return client(cli::ps::run(args).await),
+        Some(Command::Top(args)) => return client(cli::top::run(args).await),
+        Some(Command::Reload(args)) => return client(cli::reload::run(args).await),
         None => cli.serve.config,
     };
     let config = match Config::load(config_path.as_deref()) {
@@ -142,15 +181,21 @@ async fn main() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    init_logging(config.log.format);
+    let logging = linger::logging::init(&config.log);
     let signals = ShutdownSignals::install();
-    let server = match Server::start(config).await {
+    let reload_signal = ReloadSignal::install();
+    let setup = Setup {
+        source: ConfigSource::File(config_path),
+        logging: Some(logging),
+    };
+    let server = match Server::start_setup(config, setup, |store| store).await {
         Ok(server) => server,
         Err(e) => {
             eprintln!("linger: cannot start: {e}");
             std::process::exit(1);
         }
     };
+    reload_signal.serve(server.reloader());
     signals.wait().await;
     server.shutdown().await;
     Ok(())

@@ -1,5 +1,6 @@
 //! Prometheus metrics: the names linger exports and the one recorder that
-//! renders them at `/metrics`.
+//! renders them at `/metrics`. The README's "Metrics" table describes each;
+//! keep it in step.
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -102,4 +103,16 @@ pub fn attached_connections(count: usize) {
 
 pub fn websocket_connections(delta: f64) {
     gauge!("linger_websocket_connections").increment(delta);
+}
+
+/// A connection closed with 4008: it read nothing for
+/// `limits.slow_consumer_patience`, or its waiting replies filled their share.
+pub fn slow_consumer_closed() {
+    counter!("linger_slow_consumer_closes_total").increment(1);
+}
+
+/// A configuration reload, by outcome (`applied`, `partly_applied`,
+/// `refused`, `nothing_changed`, `invalid`).
+pub fn config_reloaded(outcome: &str) {
+    counter!("linger_config_reloads_total", "outcome" => outcome.replace(' ', "_")).increment(1);
 }

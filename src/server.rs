@@ -15,14 +15,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use crate::actors::supervision_log::SupervisionLog;
 use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::agent::command::CommandAgent;
 use crate::agent::demo::DemoAgent;
 use crate::agent::Agent;
 use crate::cluster::node::ClusterNode;
-use crate::config::{AgentKind, ClusterMode, Config};
+use crate::config::{AgentKind, ClusterMode, Config, ConfigOwner, LiveConfig};
 use crate::gateway::auth::Authenticator;
 use crate::gateway::{self, AppState};
+use crate::logging::LogControl;
+use crate::reload::{ConfigSource, Reloader};
 use crate::store::lock::StoreLock;
 use crate::store::sqlite::SqliteStore;
 use crate::store::Store;
@@ -83,10 +86,21 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
+/// How a server was set up beyond its configuration: what a reload
+/// re-reads, and the logging a reload may change.
+#[derive(Default)]
+pub struct Setup {
+    pub source: ConfigSource,
+    /// `None`: the embedding program owns logging; `log.*` keys are then
+    /// refused at a reload.
+    pub logging: Option<Arc<dyn LogControl>>,
+}
+
 /// A running server.
 pub struct Server {
     pub addr: SocketAddr,
-    config: Arc<Config>,
+    config: LiveConfig,
+    reloader: Arc<Reloader>,
     store: Arc<dyn Store>,
     supervisor: ActorRef<SupervisorMsg>,
     accept_stop: CancellationToken,
@@ -163,7 +177,21 @@ impl Server {
         config: Config,
         wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>,
     ) -> Result<Server, StartError> {
-        let config = Arc::new(config);
+        Server::start_setup(config, Setup::default(), wrap).await
+    }
+
+    /// [`Server::start_with_store`] with what a reload re-reads and may
+    /// change (`linger serve`: the config file and the process's logging).
+    pub async fn start_setup(
+        config: Config,
+        setup: Setup,
+        wrap: impl FnOnce(Arc<dyn Store>) -> Arc<dyn Store>,
+    ) -> Result<Server, StartError> {
+        let owner = ConfigOwner::new(config);
+        let live = owner.subscribe();
+        // The values used once at start; everything read later goes
+        // through `live`.
+        let config = owner.current();
         // Install the recorder before anything counts.
         crate::metrics::handle();
         let path = config.store.path.clone();
@@ -222,11 +250,13 @@ impl Server {
         let probe = tokio::spawn(probe_loop(store.clone()));
         let agent = build_agent(&config)?;
         let auth = Authenticator::from_config(&config.auth).map_err(StartError::Auth)?;
+        let decisions = Arc::new(SupervisionLog::default());
         let (supervisor, _) = Actor::spawn(
             None,
             Supervisor,
             SupervisorArgs {
-                config: config.clone(),
+                config: live.clone(),
+                decisions: decisions.clone(),
                 store: store.clone(),
                 agent: agent.clone(),
                 cluster: cluster.clone(),
@@ -236,15 +266,22 @@ impl Server {
         .map_err(|e| StartError::Supervisor(e.to_string()))?;
         let next_connection = Arc::new(AtomicU64::new(1));
         let cluster_tasks = match &cluster {
-            Some(node) => node.run(supervisor.clone(), config.clone(), next_connection.clone()),
+            Some(node) => node.run(supervisor.clone(), live.clone(), next_connection.clone()),
             None => Vec::new(),
         };
 
         let accept_stop = CancellationToken::new();
         let sockets_stop = CancellationToken::new();
         let sockets = TaskTracker::new();
+        let reloader = Arc::new(Reloader::new(
+            setup.source,
+            owner,
+            supervisor.clone(),
+            decisions.clone(),
+            setup.logging,
+        ));
         let app = gateway::router(AppState {
-            config: config.clone(),
+            config: live.clone(),
             store: store.clone(),
             supervisor: supervisor.clone(),
             shutdown: sockets_stop.clone(),
@@ -253,6 +290,8 @@ impl Server {
             node: cluster.as_ref().map(|c| Arc::from(c.node.as_str())),
             connections: Default::default(),
             auth: Arc::new(auth),
+            decisions,
+            reloader: reloader.clone(),
         });
         let stop = accept_stop.clone();
         let http = tokio::spawn(async move {
@@ -274,7 +313,8 @@ impl Server {
         info!("listening on {addr}");
         Ok(Server {
             addr,
-            config,
+            config: live,
+            reloader,
             store,
             supervisor,
             accept_stop,
@@ -290,9 +330,14 @@ impl Server {
         })
     }
 
+    /// Changes the running configuration (SIGHUP, tests).
+    pub fn reloader(&self) -> Arc<Reloader> {
+        self.reloader.clone()
+    }
+
     /// Graceful shutdown (protocol §6), bounded by `server.shutdown_grace`.
     pub async fn shutdown(self) {
-        let grace = self.config.server.shutdown_grace;
+        let grace = self.config.get().server.shutdown_grace;
         info!(grace = %humantime::format_duration(grace), "shutting down");
         let steps = async {
             // Stop accepting; upgraded websockets are not covered by this.

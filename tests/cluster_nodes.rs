@@ -19,6 +19,7 @@
 //!   (§10.6).
 //! - `a_nats_older_than_2_11_is_refused_at_start` (§10.8).
 //! - `queued_messages_survive_the_loss_of_their_node` (§10.4).
+//! - `the_admin_list_names_the_owning_node`: each node lists what it owns.
 //!
 //! Each test starts its own NATS server and nodes on free ports, each node
 //! with its own temporary `store.path`. Synchronization is on frames, on log
@@ -955,4 +956,25 @@ async fn queued_messages_survive_the_loss_of_their_node() {
     assert_eq!(started["data"]["message_seq"], queued_seq, "{started}");
     let history = b.history(&id).await;
     assert_contiguous(&history, 1);
+}
+
+/// `GET /v1/admin/conversations` on a node lists the conversations it owns,
+/// each naming it as their node; another node does not list them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_list_names_the_owning_node() {
+    let tokens = "[auth]\nmode = \"tokens\"\ntokens = [{ token = \"alice\", user = \"alice\" }, \
+                  { token = \"ops\", user = \"ops\", admin = true }]\n";
+    let cluster = Cluster::start_with(2, tokens).await;
+    let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let mut alice = a.connect(USER).await;
+    let id = alice.create().await;
+    alice.events(&id, 2).await;
+    let (status, listed) = a.server.get("/v1/admin/conversations", Some("ops")).await;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed[0]["id"], id.as_str(), "{listed:#}");
+    assert_eq!(listed[0]["node"], a.id.as_str(), "{listed:#}");
+    assert_eq!(listed[0]["user"], USER, "{listed:#}");
+    let (status, listed) = b.server.get("/v1/admin/conversations", Some("ops")).await;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed, serde_json::json!([]), "node {} owns nothing", b.id);
 }

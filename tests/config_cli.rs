@@ -88,3 +88,39 @@ fn shipped_config_matches_the_defaults() {
     let parsed = linger::config::Config::from_toml(&text).unwrap();
     assert_eq!(parsed, linger::config::Config::default());
 }
+
+/// config/linger.toml marks each key that a reload changes live with
+/// "(live)" in its comment, and only those (`config::keys::reloadability`).
+#[test]
+fn shipped_config_marks_the_live_keys() {
+    use linger::config::keys::{reloadability, Reloadability};
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/linger.toml");
+    let text = std::fs::read_to_string(shipped).unwrap();
+    let mut section = String::new();
+    let mut comment = String::new();
+    let mut seen = 0;
+    for line in text.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.to_owned();
+            comment.clear();
+        } else if let Some(text) = line.strip_prefix('#') {
+            comment.push_str(text);
+        } else if let Some((key, _)) = line.split_once(" = ") {
+            let key = format!("{section}.{key}");
+            let marked = comment.contains("(live)");
+            let live = reloadability(&key) == Reloadability::Live;
+            assert_eq!(
+                marked,
+                live,
+                "config/linger.toml: {key} is {}marked (live), but it is {}",
+                if marked { "" } else { "not " },
+                if live { "reloadable" } else { "not reloadable" }
+            );
+            seen += 1;
+            comment.clear();
+        } else if line.is_empty() {
+            comment.clear();
+        }
+    }
+    assert!(seen > 20, "read only {seen} keys");
+}

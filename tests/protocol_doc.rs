@@ -228,6 +228,25 @@ fn documented_config_defaults_are_the_real_ones() {
     );
 }
 
+/// The "on reload" column says what the code decides for each key
+/// (`config::keys::reloadability`).
+#[test]
+fn documented_reloadability_is_the_real_one() {
+    use linger::config::keys::{reloadability, Reloadability};
+    let tables = doc_tables();
+    for (key, row) in &tables["config_keys"].current {
+        let column = row.split('|').nth(4).expect("an on-reload column").trim();
+        let real = match reloadability(key) {
+            Reloadability::Live => "live",
+            Reloadability::Restart(_) => "restart",
+        };
+        assert_eq!(
+            column, real,
+            "docs/protocol.md §7 says {key} is `{column}` on reload; the code says `{real}`"
+        );
+    }
+}
+
 /// Operations of an OpenAPI document: (path, lowercase method) → operation.
 fn operations(document: &Value) -> BTreeMap<(String, String), Value> {
     let mut operations = BTreeMap::new();

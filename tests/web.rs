@@ -169,6 +169,13 @@ return {
   tools: [...document.querySelectorAll('#transcript .tool')]
     .map((t) => ({ call: t.dataset.call, state: t.dataset.state })),
   listed: [...document.querySelectorAll('#conversations li[data-id]')].map((li) => li.dataset.id),
+  admin: document.body.dataset.admin || '',
+  adminProbes: Number(document.body.dataset.adminProbes || 0),
+  adminTab: !q('#admin-tab').hidden,
+  adminOpen: !q('#admin').hidden,
+  adminRows: [...document.querySelectorAll('#admin-conversations tbody tr')]
+    .map((tr) => [...tr.cells].map((c) => c.textContent)),
+  adminDecisions: [...document.querySelectorAll('#admin-decisions li')].map((li) => li.dataset.rule),
   // Whether the open conversation's current attachment is a compact
   // replay, as the server's `attached` said (null until attached).
   compact: window.linger && window.linger.open && window.linger.open.conv.attached ? window.linger.open.conv.compactReplay : null,
@@ -764,6 +771,90 @@ async fn a_first_open_is_a_compact_replay_that_shows_the_finished_turns() {
         "the running turn streams in full"
     );
 
+    if let Err(e) = browser.client.clone().close().await {
+        eprintln!("closing the WebDriver session: {e}");
+    }
+    drop(browser);
+    server.shutdown().await;
+}
+
+/// An admin's token shows the admin tab, which lists what runs now and the
+/// latest supervision decisions; anyone else's does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admins_token_opens_the_admin_tab_with_what_runs() {
+    use linger::config::{AuthMode, TokenEntry};
+    let server = TestServer::start_with(|c| {
+        c.auth.mode = AuthMode::Tokens;
+        c.auth.tokens = vec![
+            TokenEntry {
+                token: USER.into(),
+                user: USER.into(),
+                admin: false,
+            },
+            TokenEntry {
+                token: "root-token".into(),
+                user: "root".into(),
+                admin: true,
+            },
+        ];
+        c.conversations.max_per_user = 1;
+    })
+    .await;
+    rest_create(&server, "first").await;
+    // The second evicts the first: a user_limit decision.
+    let second = rest_create(&server, "second").await;
+    let browser = start_browser().await;
+    let page = Page {
+        browser: &browser,
+        artifacts: Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-artifacts"),
+    };
+    page.client()
+        .goto(&server.http_url("/"))
+        .await
+        .expect("open the page");
+    page.watch_errors().await;
+
+    // A user's token: no admin tab.
+    page.type_into("#token", USER).await;
+    page.click("#token-use").await;
+    let state = page
+        .wait("alice's token to be checked", |s| {
+            s["adminProbes"].as_u64() >= Some(2)
+        })
+        .await;
+    assert_eq!(state["admin"], "no", "{state:#}");
+    assert_eq!(state["adminTab"], false, "{state:#}");
+
+    // An admin's token: the tab, and in it alice's conversation.
+    let token = page.find("#token").await;
+    token.clear().await.expect("clear the token field");
+    token.send_keys("root-token").await.expect("type the token");
+    page.click("#token-use").await;
+    page.wait("the admin tab", |s| s["adminTab"] == true).await;
+    page.click("#admin-tab").await;
+    let state = page
+        .wait("the active conversation and the eviction", |s| {
+            let row = s["adminRows"]
+                .as_array()
+                .and_then(|rows| rows.iter().find(|r| r[0] == second.as_str()));
+            s["adminOpen"] == true
+                && row.is_some_and(|r| r[1] == USER && r[2] == "idle")
+                && s["adminDecisions"]
+                    .as_array()
+                    .is_some_and(|d| d.contains(&json!("user_limit")))
+        })
+        .await;
+    assert_eq!(
+        state["adminRows"].as_array().map(Vec::len),
+        Some(1),
+        "{state:#}"
+    );
+    page.screenshot("web-admin.png").await;
+
+    // Back to the chats.
+    page.click("#admin-tab").await;
+    page.wait("the chats again", |s| s["adminOpen"] == false)
+        .await;
     if let Err(e) = browser.client.clone().close().await {
         eprintln!("closing the WebDriver session: {e}");
     }

@@ -19,7 +19,7 @@ use super::outbound::Outbound;
 use super::supervisor::{
     create_conversation, ActivateError, Activated, SupervisorMsg, CALL_TIMEOUT,
 };
-use crate::config::Config;
+use crate::config::{LimitsConfig, LiveConfig};
 use crate::event::StartReason;
 use crate::protocol::{self, ClientFrame, ErrorCode, Mode, ReqId, ServerFrame};
 
@@ -53,13 +53,26 @@ pub struct ConnectionArgs {
     pub user: Arc<str>,
     pub outbound: Outbound,
     pub supervisor: ActorRef<SupervisorMsg>,
-    pub config: Arc<Config>,
+    /// Read at each frame: a reload applies from the next one on.
+    pub config: LiveConfig,
     /// Frames read but not yet handled; the reader takes a permit per frame,
     /// the actor returns it, so a flooding client is slowed by TCP.
     pub inflight: Arc<Semaphore>,
 }
 
 pub struct Connection;
+
+/// A limiter of `limits.messages_per_second` with burst
+/// `limits.messages_burst`, and the pair it was built from.
+fn rate_limiter(limits: &LimitsConfig) -> (DefaultDirectRateLimiter, (u32, u32)) {
+    let quota =
+        Quota::per_second(NonZeroU32::new(limits.messages_per_second).unwrap_or(NonZeroU32::MIN))
+            .allow_burst(NonZeroU32::new(limits.messages_burst).unwrap_or(NonZeroU32::MIN));
+    (
+        RateLimiter::direct(quota),
+        (limits.messages_per_second, limits.messages_burst),
+    )
+}
 
 struct Attached {
     actor: ActorRef<ConversationMsg>,
@@ -70,8 +83,11 @@ pub struct State {
     handle: ConnectionHandle,
     /// `limits.messages_per_second` with burst `limits.messages_burst`.
     limiter: DefaultDirectRateLimiter,
+    /// The (rate, burst) the limiter was built with: rebuilt when a reload
+    /// changes them.
+    limiter_quota: (u32, u32),
     supervisor: ActorRef<SupervisorMsg>,
-    config: Arc<Config>,
+    config: LiveConfig,
     inflight: Arc<Semaphore>,
     attachments: HashMap<Arc<str>, Attached>,
 }
@@ -87,13 +103,11 @@ impl Actor for Connection {
         args: ConnectionArgs,
     ) -> Result<State, ActorProcessingErr> {
         info!(connection = args.id, user = %args.user, "connection opened");
-        let limits = &args.config.limits;
-        let quota = Quota::per_second(
-            NonZeroU32::new(limits.messages_per_second).unwrap_or(NonZeroU32::MIN),
-        )
-        .allow_burst(NonZeroU32::new(limits.messages_burst).unwrap_or(NonZeroU32::MIN));
+        let config = args.config.get();
+        let (limiter, limiter_quota) = rate_limiter(&config.limits);
         Ok(State {
-            limiter: RateLimiter::direct(quota),
+            limiter,
+            limiter_quota,
             handle: ConnectionHandle {
                 id: args.id,
                 user: args.user,
@@ -116,6 +130,7 @@ impl Actor for Connection {
         match message {
             ConnectionMsg::Text(text) => {
                 state.inflight.add_permits(1);
+                state.follow_rate_limits();
                 match ClientFrame::parse(&text) {
                     Ok(frame) if state.limiter.check().is_err() => {
                         state.reply(&ServerFrame::error(
@@ -123,7 +138,7 @@ impl Actor for Connection {
                             ErrorCode::RateLimited,
                             format!(
                                 "more than {} frames per second (limits.messages_per_second)",
-                                state.config.limits.messages_per_second
+                                state.limiter_quota.0
                             ),
                             frame.conversation_id().map(str::to_owned),
                         ));
@@ -190,6 +205,16 @@ impl Actor for Connection {
 }
 
 impl State {
+    /// A reload changed the rate limits: a fresh limiter (a full bucket)
+    /// applies them from this frame on, without closing anything.
+    fn follow_rate_limits(&mut self) {
+        let config = self.config.get();
+        let limits = &config.limits;
+        if (limits.messages_per_second, limits.messages_burst) != self.limiter_quota {
+            (self.limiter, self.limiter_quota) = rate_limiter(limits);
+        }
+    }
+
     fn reply(&self, frame: &ServerFrame) {
         self.handle.outbound.reply(frame);
     }
@@ -382,7 +407,7 @@ impl State {
         };
         let result = create_conversation(
             &self.supervisor,
-            &self.config.store.path,
+            &self.config.get().store.path,
             self.handle.user.clone(),
             title.unwrap_or_default(),
             close_delay,

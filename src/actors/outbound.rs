@@ -157,6 +157,9 @@ impl Outbound {
             .lock()
             .expect("close request lock poisoned");
         if request.is_none() {
+            if code == close_code::SLOW_CONSUMER {
+                crate::metrics::slow_consumer_closed();
+            }
             *request = Some(CloseRequest {
                 code,
                 reason,

@@ -2,7 +2,8 @@
 //! and whose they are. It creates and activates conversations (checking
 //! ownership and enforcing the per-user limit first), stops them (idle close,
 //! user limit, close, delete, shutdown), and logs every start, stop and
-//! failure of its conversation actors as a supervision line.
+//! failure of its conversation actors as a supervision line; each decision
+//! also goes to the in-memory ring operators read ([`SupervisionLog`]).
 //!
 //! Activating a stopped conversation reads its snapshot in a task that
 //! reports back (`Loaded`), so the supervisor never waits on the store.
@@ -13,18 +14,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use serde_json::json;
 use tracing::{error, info, warn};
 
+use super::active_view::{self, ActiveConversation};
 use super::conversation::{Conversation, ConversationArgs, ConversationMsg, Origin};
 use super::eviction::{self, Candidate};
 use super::gauge::ConversationGauge;
+use super::supervision_log::{NewDecision, SupervisionLog};
 use crate::agent::Agent;
 use crate::cluster::lease::Activity;
 use crate::cluster::node::ClusterNode;
 use crate::cluster::ownership::Claim;
 use crate::cluster::remote::proxy::{stop_on_owner, ProxyArgs, RemoteConversation};
 use crate::cluster::remote::wire::StopKind;
-use crate::config::{Config, OnLimit};
+use crate::config::{LiveConfig, OnLimit};
 use crate::event::StartReason;
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, Mode, Status, StopReason};
@@ -222,6 +226,14 @@ pub enum SupervisorMsg {
     /// Refreshes the gauges of active conversations (sent to itself every
     /// [`METRICS_EVERY`]).
     PublishMetrics,
+    /// The running configuration changed (a reload): active conversations
+    /// re-arm their rule timers with the new values. Nothing is stopped
+    /// now; the per-user limit applies at the next activation.
+    ConfigChanged,
+    /// Every conversation active on this node, for operators.
+    ListActive {
+        reply: RpcReplyPort<Vec<ActiveConversation>>,
+    },
 }
 
 /// How often the supervisor refreshes the active-conversation gauges: at
@@ -231,7 +243,10 @@ pub enum SupervisorMsg {
 pub const METRICS_EVERY: Duration = Duration::from_millis(1000);
 
 pub struct SupervisorArgs {
-    pub config: Arc<Config>,
+    /// Read at each decision: a reload applies from the next one on.
+    pub config: LiveConfig,
+    /// Where decisions are recorded for operators.
+    pub decisions: Arc<SupervisionLog>,
     pub store: Arc<dyn Store>,
     pub agent: Arc<dyn Agent>,
     /// Cluster mode: this node's part in the cluster.
@@ -257,7 +272,8 @@ struct Waiter {
 }
 
 pub struct State {
-    config: Arc<Config>,
+    config: LiveConfig,
+    decisions: Arc<SupervisionLog>,
     store: Arc<dyn Store>,
     agent: Arc<dyn Agent>,
     active: HashMap<Arc<str>, Entry>,
@@ -297,6 +313,7 @@ impl Actor for Supervisor {
         myself.send_interval(METRICS_EVERY, || SupervisorMsg::PublishMetrics);
         Ok(State {
             config: args.config,
+            decisions: args.decisions,
             store: args.store,
             agent: args.agent,
             active: HashMap::new(),
@@ -379,6 +396,13 @@ impl Actor for Supervisor {
                 if let Some(entry) = state.active.get_mut(id.as_str()) {
                     entry.stopping.get_or_insert(StopReason::NodeLost);
                     let _ = entry.actor.cast(ConversationMsg::Moved);
+                    state.decisions.record(NewDecision {
+                        rule: "lease_lost",
+                        conversation: Some(&id),
+                        user: Some(&entry.user),
+                        inputs: json!({}),
+                        outcome: "moved",
+                    });
                 }
             }
             SupervisorMsg::Loaded { id, result } => state.loaded(&myself, id, result).await,
@@ -411,7 +435,7 @@ impl Actor for Supervisor {
                             .or_default()
                             .push(reply);
                     }
-                    state.stop(&id, reason, "request");
+                    state.stop(&id, reason, "request", json!({}));
                 } else if let Some(reply) = reply {
                     let _ = reply.send(());
                 }
@@ -426,12 +450,18 @@ impl Actor for Supervisor {
                         && entry.gauge.attached() == 0
                         && entry.gauge.status() == Status::Idle
                     {
+                        let idle_for = humantime::format_duration(round_ms(idle_for));
+                        let close_delay = humantime::format_duration(close_delay);
                         info!(conversation = %id, user = %entry.user, rule = "idle_close",
-                            reason = "idle",
-                            idle_for = %humantime::format_duration(round_ms(idle_for)),
-                            close_delay = %humantime::format_duration(close_delay),
+                            reason = "idle", idle_for = %idle_for, close_delay = %close_delay,
                             "stopping idle conversation");
-                        state.stop(&id, StopReason::Idle, "idle_close");
+                        let inputs = json!({
+                            "idle_for": idle_for.to_string(),
+                            "close_delay": close_delay.to_string(),
+                            "attached": 0,
+                            "status": "idle",
+                        });
+                        state.stop(&id, StopReason::Idle, "idle_close", inputs);
                     }
                 }
             }
@@ -456,7 +486,7 @@ impl Actor for Supervisor {
                 state.shutdown.get_or_insert_with(Vec::new).push(reply);
                 let ids: Vec<Arc<str>> = state.active.keys().cloned().collect();
                 for id in ids {
-                    state.stop(&id, StopReason::Shutdown, "shutdown");
+                    state.stop(&id, StopReason::Shutdown, "shutdown", json!({}));
                 }
                 for (proxy, _) in state.proxies.values() {
                     let _ = proxy.cast(ConversationMsg::Shutdown {
@@ -476,6 +506,14 @@ impl Actor for Supervisor {
                 state.maybe_finish_shutdown();
             }
             SupervisorMsg::PublishMetrics => {}
+            SupervisorMsg::ConfigChanged => {
+                for entry in state.active.values().filter(|e| e.stopping.is_none()) {
+                    let _ = entry.actor.cast(ConversationMsg::ConfigChanged);
+                }
+            }
+            SupervisorMsg::ListActive { reply } => {
+                let _ = reply.send(state.list_active());
+            }
         }
         state.publish_metrics();
         Ok(())
@@ -517,7 +555,20 @@ fn round_ms(d: Duration) -> Duration {
 
 impl State {
     fn workspace(&self, id: &str) -> PathBuf {
-        workspace_dir(&self.config.store.path, id)
+        workspace_dir(&self.config.get().store.path, id)
+    }
+
+    fn list_active(&self) -> Vec<ActiveConversation> {
+        let node = self.cluster.as_ref().map(|c| c.node.as_str());
+        let mut list: Vec<ActiveConversation> = self
+            .active
+            .iter()
+            .map(|(id, e)| {
+                active_view::view(id, &e.user, &e.gauge, e.stopping, e.started.elapsed(), node)
+            })
+            .collect();
+        list.sort_by(|a, b| a.user.cmp(&b.user).then_with(|| a.id.cmp(&b.id)));
+        list
     }
 
     fn active_count(&self, user: &str) -> usize {
@@ -547,7 +598,7 @@ impl State {
         let result = if self.shutdown.is_some() {
             Err(ActivateError::ShuttingDown)
         } else {
-            match self.make_room(&user, None, others) {
+            match self.make_room(&user, Some(&id), others) {
                 Ok(()) => {
                     let origin = Origin::New {
                         title,
@@ -642,6 +693,7 @@ impl State {
             user: user.clone(),
             origin,
             config: self.config.clone(),
+            decisions: self.decisions.clone(),
             store: self.store.clone(),
             agent: self.agent.clone(),
             supervisor: myself.clone(),
@@ -719,10 +771,11 @@ impl State {
             return;
         }
         let store = self.store.clone();
-        let tail = self.config.conversations.replay_buffer_events;
+        let config = self.config.get();
+        let tail = config.conversations.replay_buffer_events;
         let me = myself.clone();
         let cluster = self.cluster.clone();
-        let resume = self.config.agent.resume_interrupted;
+        let resume = config.agent.resume_interrupted;
         tokio::spawn(async move {
             let mut result = match &cluster {
                 Some(cluster) => load_in_cluster(cluster, &store, &id, tail).await,
@@ -825,7 +878,7 @@ impl State {
         } else {
             // Observers only read: they never stop one of the owner's
             // conversations to make room.
-            let max = self.config.conversations.max_per_user;
+            let max = self.config.get().conversations.max_per_user;
             if max > 0 && self.active_count(&owner) + others.len() >= max {
                 Err(ActivateError::LimitReached { max })
             } else {
@@ -899,7 +952,7 @@ impl State {
                     client: cluster.client.clone(),
                     subjects: cluster.subjects.clone(),
                     leases: cluster.ownership.leases().clone(),
-                    lease_ttl: self.config.cluster.lease_ttl,
+                    lease_ttl: self.config.get().cluster.lease_ttl,
                 };
                 match Actor::spawn_linked(None, RemoteConversation, args, myself.get_cell()).await {
                     Ok((proxy, _)) => {
@@ -930,7 +983,8 @@ impl State {
         activating: Option<&Arc<str>>,
         others: Vec<Activity>,
     ) -> Result<(), ActivateError> {
-        let max = self.config.conversations.max_per_user;
+        let config = self.config.get();
+        let max = config.conversations.max_per_user;
         if max == 0 {
             return Ok(());
         }
@@ -947,10 +1001,21 @@ impl State {
             .collect();
         while self.active_count(user) + others.len() >= max {
             let active_for_user = self.active_count(user) + others.len();
-            if self.config.conversations.on_limit == OnLimit::Reject {
+            if config.conversations.on_limit == OnLimit::Reject {
                 info!(user = %user, rule = "user_limit", decision = "reject",
                     active_for_user, max_per_user = max,
                     "activation refused: the user is at the limit");
+                self.decisions.record(NewDecision {
+                    rule: "user_limit",
+                    conversation: activating.map(|id| &**id),
+                    user: Some(user),
+                    inputs: json!({
+                        "active_for_user": active_for_user,
+                        "max_per_user": max,
+                        "on_limit": "reject",
+                    }),
+                    outcome: "refused",
+                });
                 return Err(ActivateError::LimitReached { max });
             }
             let mut candidates: Vec<Candidate> = self
@@ -976,8 +1041,24 @@ impl State {
                 node = victim.node.as_deref().unwrap_or("here"),
                 active_for_user, max_per_user = max,
                 "evicting the least recently active conversation");
+            let inputs = json!({
+                "class": victim.class_name(),
+                "running": victim.running,
+                "attached": victim.attached,
+                "node": victim.node.as_deref().unwrap_or("here"),
+                "active_for_user": active_for_user,
+                "max_per_user": max,
+                "activating": activating.map(|id| &**id),
+            });
             match (&victim.node, &self.cluster) {
                 (Some(node), Some(cluster)) => {
+                    self.decisions.record(NewDecision {
+                        rule: "user_limit",
+                        conversation: Some(&victim.id),
+                        user: Some(user),
+                        inputs,
+                        outcome: "stopped on its node",
+                    });
                     others.retain(|o| o.id != victim.id);
                     let (cluster, node) = (cluster.clone(), node.clone());
                     tokio::spawn(async move {
@@ -991,13 +1072,21 @@ impl State {
                         .await;
                     });
                 }
-                _ => self.stop(&victim.id, StopReason::UserLimit, "user_limit"),
+                _ => self.stop(&victim.id, StopReason::UserLimit, "user_limit", inputs),
             }
         }
         Ok(())
     }
 
-    fn stop(&mut self, id: &Arc<str>, reason: StopReason, rule: &str) {
+    /// Stops an active conversation for `rule`, recording the decision
+    /// with the `inputs` the rule looked at (a JSON object).
+    fn stop(
+        &mut self,
+        id: &Arc<str>,
+        reason: StopReason,
+        rule: &'static str,
+        mut inputs: serde_json::Value,
+    ) {
         let Some(entry) = self.active.get_mut(id) else {
             return;
         };
@@ -1008,6 +1097,22 @@ impl State {
         info!(conversation = %id, user = %entry.user, rule, reason = reason.as_str(),
             status = entry.gauge.status().as_str(), attached = entry.gauge.attached(),
             "stopping conversation");
+        if let Some(fields) = inputs.as_object_mut() {
+            fields.insert("reason".into(), reason.as_str().into());
+            fields
+                .entry("status")
+                .or_insert_with(|| entry.gauge.status().as_str().into());
+            fields
+                .entry("attached")
+                .or_insert_with(|| entry.gauge.attached().into());
+        }
+        self.decisions.record(NewDecision {
+            rule,
+            conversation: Some(id),
+            user: Some(&entry.user),
+            inputs,
+            outcome: "stopped",
+        });
         m::conversation_stopped(reason);
         if entry
             .actor
@@ -1045,6 +1150,15 @@ impl State {
         let lived = lived
             .map(|d| humantime::format_duration(d).to_string())
             .unwrap_or_default();
+        if let Some(err) = &failure {
+            self.decisions.record(NewDecision {
+                rule: "actor_failed",
+                conversation: Some(&id),
+                user: Some(&user),
+                inputs: json!({ "error": err, "lived": lived }),
+                outcome: "removed",
+            });
+        }
         match &failure {
             Some(err) => error!(conversation = %id, user = %user, actor = %actor, error = %err,
                 lived = %lived, "conversation actor failed"),
@@ -1085,7 +1199,7 @@ impl State {
         }
         if self.active.contains_key(&id) {
             // Deleted once the actor is gone (`child_gone`).
-            self.stop(&id, StopReason::Deleted, "request");
+            self.stop(&id, StopReason::Deleted, "request", json!({}));
         } else if !self.loading.contains_key(&id) {
             // Otherwise deleted once the snapshot read is back (`loaded`).
             self.start_deleting(myself, id);

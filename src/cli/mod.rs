@@ -1,15 +1,20 @@
 //! The terminal client, in the same binary as the server: `linger new`,
 //! `linger ls`, `linger send` and `linger attach`, talking to a running
-//! server over REST and the websocket (protocol v1).
+//! server over REST and the websocket (protocol v1); for admins,
+//! `linger ps`, `linger top` and `linger reload` (`admin.rs`).
 //!
 //! Conversation content goes to stdout; connection news and hints go to
 //! stderr, prefixed `[linger]`, so stdout stays the conversation itself.
 
+pub mod admin;
 pub mod attach;
 pub mod ls;
 pub mod new;
 pub mod print;
+pub mod ps;
+pub mod reload;
 pub mod send;
+pub mod top;
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;

@@ -19,7 +19,7 @@ use super::remote::Subjects;
 use super::store::NatsStore;
 use super::{connect, ClusterError, ClusterOptions};
 use crate::actors::supervisor::SupervisorMsg;
-use crate::config::Config;
+use crate::config::{Config, LiveConfig};
 use crate::protocol::Status;
 use crate::store::Store;
 
@@ -63,7 +63,7 @@ impl ClusterNode {
     pub fn run(
         self: &Arc<Self>,
         supervisor: ActorRef<SupervisorMsg>,
-        config: Arc<Config>,
+        config: LiveConfig,
         next_connection: Arc<AtomicU64>,
     ) -> Vec<JoinHandle<()>> {
         let (lost_tx, mut lost_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -86,7 +86,7 @@ impl ClusterNode {
         let orphans = tokio::spawn(watch_orphans(
             self.clone(),
             supervisor,
-            config.cluster.lease_ttl,
+            config.get().cluster.lease_ttl,
         ));
         vec![keep_alive, lost, serve, orphans]
     }

@@ -3,6 +3,7 @@
 //! [`AppState`]. The routes but the web page's are registered in
 //! [`openapi::api_routes`], which describes each as it adds it.
 
+pub mod admin;
 pub mod auth;
 pub mod connections;
 pub mod openapi;
@@ -19,13 +20,16 @@ use ractor::ActorRef;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::actors::supervision_log::SupervisionLog;
 use crate::actors::supervisor::SupervisorMsg;
-use crate::config::Config;
+use crate::config::LiveConfig;
+use crate::reload::Reloader;
 use crate::store::Store;
 
 #[derive(Clone)]
 pub struct AppState {
-    pub config: Arc<Config>,
+    /// Read at each request: a reload applies from the next one on.
+    pub config: LiveConfig,
     pub store: Arc<dyn Store>,
     pub supervisor: ActorRef<SupervisorMsg>,
     /// Cancelled when the server shuts down: closes every socket with 1001.
@@ -39,6 +43,10 @@ pub struct AppState {
     pub auth: Arc<auth::Authenticator>,
     /// Cluster mode: this node's id (shown by `/healthz`).
     pub node: Option<Arc<str>>,
+    /// The recent supervision decisions (`GET /v1/admin/supervision`).
+    pub decisions: Arc<SupervisionLog>,
+    /// `POST /v1/admin/reload`.
+    pub reloader: Arc<Reloader>,
 }
 
 pub fn router(state: AppState) -> Router {

@@ -17,7 +17,7 @@ use utoipa::{IntoResponses, Modify, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{rest, ws, AppState};
+use super::{admin, rest, ws, AppState};
 use crate::event::EventKind;
 use crate::protocol::Status;
 
@@ -76,7 +76,9 @@ pub fn api_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(rest::get, rest::delete))
         .routes(routes!(rest::events))
         .routes(routes!(rest::add_observer))
-        .routes(routes!(rest::admin_list))
+        .routes(routes!(admin::conversations))
+        .routes(routes!(admin::supervision))
+        .routes(routes!(admin::reload))
         .routes(routes!(rest::healthz))
         .routes(routes!(rest::metrics))
         .routes(routes!(serve))
@@ -183,8 +185,8 @@ pub(super) struct ErrorBody {
 #[derive(ToSchema)]
 pub(super) struct ErrorDetail {
     /// `unauthorized` (401), `forbidden` (403), `bad_request` (400),
-    /// `not_found` (404), `limit_reached` (429), `store_unavailable` (503)
-    /// or `internal` (500).
+    /// `not_found` (404), `limit_reached` (429), `config_invalid` (422),
+    /// `store_unavailable` (503) or `internal` (500).
     #[schema(example = "not_found")]
     code: String,
     /// What went wrong, for people.

@@ -1,5 +1,5 @@
 //! The REST endpoints of protocol §2 (docs/protocol.md): list, get, events,
-//! create, delete, observers. Reads come from the store and never activate a
+//! create, delete, observers (the admins' are in [`super::admin`]). Reads come from the store and never activate a
 //! conversation. Each handler's `#[utoipa::path]` is its entry in
 //! `/v1/openapi.json` ([`super::openapi`]); every one that uses the store
 //! lists `StoreUnavailable`, its 503.
@@ -44,6 +44,9 @@ pub enum ApiError {
     LimitReached(String),
     #[error("{0}")]
     StoreUnavailable(String),
+    /// A reload found an error in the configuration (names the key).
+    #[error("{0}")]
+    ConfigInvalid(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -84,6 +87,7 @@ impl IntoResponse for ApiError {
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             ApiError::LimitReached(_) => (StatusCode::TOO_MANY_REQUESTS, "limit_reached"),
             ApiError::StoreUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
+            ApiError::ConfigInvalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "config_invalid"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
         error_response(status, code, &self.to_string())
@@ -155,44 +159,6 @@ pub async fn list(
 ) -> Result<Json<Vec<Summary>>, ApiError> {
     let metas = app.store.list(Some(&caller.user)).await?;
     Ok(Json(metas.iter().map(Summary::from).collect()))
-}
-
-/// Every user's conversations; admins only (others get 404, as if the route
-/// did not exist for them).
-#[utoipa::path(get, path = "/v1/admin/conversations", tag = "admin",
-    security(("bearer" = [])),
-    responses(
-        (status = 200, description = "Every user's conversation summaries, not their contents",
-            body = Vec<AdminSummary>),
-        (status = 401, description = "Missing or invalid token", body = ErrorBody),
-        (status = 404, description = "The caller is not an admin", body = ErrorBody),
-        StoreUnavailable,
-    ))]
-pub async fn admin_list(
-    State(app): State<AppState>,
-    caller: Caller,
-) -> Result<Json<Vec<AdminSummary>>, ApiError> {
-    if !caller.admin {
-        return Err(ApiError::NotFound);
-    }
-    let metas = app.store.list(None).await?;
-    Ok(Json(
-        metas
-            .iter()
-            .map(|m| AdminSummary {
-                user: m.user.clone(),
-                summary: Summary::from(m),
-            })
-            .collect(),
-    ))
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-pub struct AdminSummary {
-    /// The owner.
-    user: String,
-    #[serde(flatten)]
-    summary: Summary,
 }
 
 /// One conversation the caller owns or observes.
@@ -323,7 +289,7 @@ pub async fn create(
     };
     let activated = create_conversation(
         &app.supervisor,
-        &app.config.store.path,
+        &app.config.get().store.path,
         std::sync::Arc::from(caller.user.as_str()),
         title,
         close_delay,

@@ -43,6 +43,16 @@ const ASSETS: &[Asset] = &[
         body: include_str!("../../web/app.js"),
     },
     Asset {
+        name: "admin.css",
+        content_type: "text/css; charset=utf-8",
+        body: include_str!("../../web/admin.css"),
+    },
+    Asset {
+        name: "admin.js",
+        content_type: JS,
+        body: include_str!("../../web/admin.js"),
+    },
+    Asset {
         name: "markdown.js",
         content_type: JS,
         body: include_str!("../../web/markdown.js"),

@@ -59,8 +59,9 @@ pub async fn upgrade(
     headers: HeaderMap,
     ws: WebSocketUpgrade,
 ) -> Response {
+    let config = app.config.get();
     if let Some(origin) = headers.get(header::ORIGIN) {
-        let allowed = &app.config.server.allowed_origins;
+        let allowed = &config.server.allowed_origins;
         let origin = origin.to_str().unwrap_or("");
         if !allowed.is_empty() && !allowed.iter().any(|a| a == origin) {
             warn!(user = %caller.user, origin, "websocket refused: Origin not in server.allowed_origins");
@@ -71,10 +72,10 @@ pub async fn upgrade(
             );
         }
     }
-    let max = app.config.limits.max_frame_bytes;
+    let max = config.limits.max_frame_bytes;
     let slot = app
         .connections
-        .acquire(&caller.user, app.config.limits.max_connections_per_user);
+        .acquire(&caller.user, config.limits.max_connections_per_user);
     // The library's own limit is twice ours: a frame somewhat over the limit
     // is read whole and answered with a clean 1009 close; only a far larger
     // one is cut off mid-read.
@@ -95,7 +96,7 @@ pub async fn upgrade(
 
 /// The user has `max_connections_per_user` sockets open: say so, then close.
 async fn refuse_too_many(mut socket: WebSocket, app: &AppState) {
-    let max = app.config.limits.max_connections_per_user;
+    let max = app.config.get().limits.max_connections_per_user;
     let frame = ServerFrame::error(
         None,
         ErrorCode::TooManyConnections,
@@ -117,10 +118,10 @@ async fn refuse_too_many(mut socket: WebSocket, app: &AppState) {
 async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let id = app.next_connection.fetch_add(1, Ordering::Relaxed);
     let (sink, mut stream) = socket.split();
-    let (outbound, receiver) = outbound::channel(
-        app.config.limits.max_outbound_frames,
-        app.config.limits.slow_consumer_patience,
-    );
+    // Sized once: a reload reaches connections opened after it.
+    let limits = app.config.get().limits.clone();
+    let (outbound, receiver) =
+        outbound::channel(limits.max_outbound_frames, limits.slow_consumer_patience);
     let inflight = Arc::new(Semaphore::new(INFLIGHT_FRAMES));
     let args = ConnectionArgs {
         id,
@@ -157,7 +158,9 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
             }
             None => break,
         };
-        let max = app.config.limits.max_frame_bytes;
+        // Read per frame, so that a reload reaches open connections too (up
+        // to the library's cap, twice the value the socket opened with).
+        let max = app.config.get().limits.max_frame_bytes;
         let msg = match message {
             Message::Text(text) if text.len() > max => {
                 outbound.close(close_code::TOO_BIG, "frame too big", false);

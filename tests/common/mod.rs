@@ -49,6 +49,8 @@ pub struct TestServer {
     server: Option<Server>,
     http: reqwest::Client,
     dir: tempfile::TempDir,
+    /// The config file a reload re-reads ([`TestServer::config_file`]).
+    config_dir: tempfile::TempDir,
 }
 
 impl TestServer {
@@ -75,7 +77,17 @@ impl TestServer {
         config.server.listen = "127.0.0.1:0".parse().unwrap();
         config.store.path = dir.path().to_path_buf();
         tweak(&mut config);
-        let server = Server::start_with_store(config, wrap)
+        // Written out as `linger serve` would read it, so that a reload
+        // (`POST /v1/admin/reload`) re-reads the same configuration.
+        let config_dir = tempfile::tempdir().expect("temporary config directory");
+        let file = config_dir.path().join("linger.toml");
+        let text = toml::to_string(&config).expect("the config serializes as TOML");
+        std::fs::write(&file, text).expect("write the config file");
+        let setup = linger::server::Setup {
+            source: linger::reload::ConfigSource::File(Some(file)),
+            logging: None,
+        };
+        let server = Server::start_setup(config, setup, wrap)
             .await
             .unwrap_or_else(|e| panic!("the server did not start: {e}"));
         TestServer {
@@ -83,7 +95,13 @@ impl TestServer {
             server: Some(server),
             http: reqwest::Client::new(),
             dir,
+            config_dir,
         }
+    }
+
+    /// The config file a reload re-reads: edit it, then reload.
+    pub fn config_file(&self) -> std::path::PathBuf {
+        self.config_dir.path().join("linger.toml")
     }
 
     /// The store directory (`store.path`).
@@ -569,6 +587,27 @@ pub fn the_one<'a>(events: &'a [Value], kind_: &str) -> &'a Value {
         found.len()
     );
     found[0]
+}
+
+/// Polls `check` until it gives a value; fails the test after
+/// [`RECV_TIMEOUT`], saying `what` it waited for and the last thing seen.
+/// For state with no frame to wait on (an admin listing, the supervision
+/// log); the interval only paces the polling, it decides nothing.
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, Value>>,
+{
+    let deadline = Instant::now() + RECV_TIMEOUT;
+    loop {
+        match check().await {
+            Ok(found) => return found,
+            Err(last) if Instant::now() >= deadline => {
+                panic!("waited {RECV_TIMEOUT:?} for {what}; last seen: {last:#}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
 }
 
 /// Any REST call on the server at `base` (`http://host:port`): `method` on

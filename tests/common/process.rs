@@ -31,6 +31,18 @@ impl ServerProcess {
         ServerProcess::start(serve_command(store, "127.0.0.1:0", extra_toml))
     }
 
+    /// [`ServerProcess::spawn`] with the command changed first (its
+    /// environment, say).
+    pub fn spawn_with(
+        store: &Path,
+        extra_toml: &str,
+        change: impl FnOnce(&mut Command),
+    ) -> ServerProcess {
+        let mut command = serve_command(store, "127.0.0.1:0", extra_toml);
+        change(&mut command);
+        ServerProcess::start(command)
+    }
+
     /// Starts a server from a command of one's own (which must listen on a
     /// free port) and waits for `listening on ADDR`.
     pub fn start(mut command: Command) -> ServerProcess {
@@ -95,6 +107,17 @@ impl ServerProcess {
     /// returns the status and the body as JSON (a string when not JSON).
     pub async fn get(&self, path: &str, token: Option<&str>) -> (u16, Value) {
         super::http_call(&self.http, &self.http_url(""), "GET", path, token, None).await
+    }
+
+    /// Any REST call, as [`super::TestServer::call`].
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        super::http_call(&self.http, &self.http_url(""), method, path, token, body).await
     }
 
     /// The stored events of a conversation after `after`, through REST
@@ -162,6 +185,29 @@ impl ServerProcess {
     }
 }
 
+/// The config file's name, in the directory it is written to.
+const CONFIG_FILE: &str = "linger-test.toml";
+
+fn config_text(store: &Path, listen: &str, extra_toml: &str) -> String {
+    format!(
+        "[server]\nlisten = {listen:?}\n[store]\npath = {:?}\n{extra_toml}\n",
+        store.display().to_string()
+    )
+}
+
+/// Rewrites the config file of a server started by [`ServerProcess::spawn`]
+/// on `store` (same listen address and store, new `extra_toml`), for a
+/// reload to read.
+pub fn rewrite_config(store: &Path, extra_toml: &str) {
+    let text = config_text(store, "127.0.0.1:0", extra_toml);
+    std::fs::write(store.join(CONFIG_FILE), text).unwrap();
+}
+
+/// Writes `text` as the config file, verbatim (a broken one, say).
+pub fn write_config_verbatim(store: &Path, text: &str) {
+    std::fs::write(store.join(CONFIG_FILE), text).unwrap();
+}
+
 /// `linger serve` on `listen` with its store (and config file) in `store`.
 fn serve_command(store: &Path, listen: &str, extra_toml: &str) -> Command {
     std::fs::create_dir_all(store).unwrap();
@@ -175,12 +221,8 @@ fn serve_command_configured_in(
     listen: &str,
     extra_toml: &str,
 ) -> Command {
-    let config = config_dir.join("linger-test.toml");
-    let text = format!(
-        "[server]\nlisten = {listen:?}\n[store]\npath = {:?}\n{extra_toml}\n",
-        store.display().to_string()
-    );
-    std::fs::write(&config, text).unwrap();
+    let config = config_dir.join(CONFIG_FILE);
+    std::fs::write(&config, config_text(store, listen, extra_toml)).unwrap();
     let mut command = Command::new(env!("CARGO_BIN_EXE_linger"));
     command
         .args(["serve", "--config"])

@@ -75,7 +75,7 @@ impl State {
     }
 
     pub(super) fn on_committed(&mut self, myself: &ActorRef<ConversationMsg>, upto: u64) {
-        let cap = self.config.conversations.replay_buffer_events;
+        let cap = self.config.get().conversations.replay_buffer_events;
         let mut new_events = Vec::new();
         while self.in_flight.front().is_some_and(|r| r.seq <= upto) {
             if let Some(record) = self.in_flight.pop_front() {

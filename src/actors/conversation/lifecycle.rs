@@ -1,7 +1,17 @@
 //! The conversation's own lifecycle: the stop sequence (record why, wait
 //! for the commit, detach everyone) and the timers of its rules.
+//!
+//! Each rule reads its duration from the running configuration when its
+//! timer is armed and again when it fires; a reload re-arms every armed
+//! timer for what is left under the new value (`reconfigure`).
+
+use serde_json::json;
 
 use super::*;
+
+fn round_ms(d: Duration) -> Duration {
+    Duration::from_millis(d.as_millis() as u64)
+}
 
 impl State {
     /// Ends the turn, records `agent_stopped`, and waits for the commit
@@ -59,9 +69,68 @@ impl State {
         if let Some((_, t)) = self.idle_timer.take() {
             t.abort();
         }
-        if let Some((_, t)) = self.grace_timer.take() {
+        if let Some((_, t, _)) = self.grace_timer.take() {
             t.abort();
         }
+    }
+
+    /// The idle close delay: the conversation's own (capped by
+    /// `conversations.max_close_delay`) or `conversations.close_delay`,
+    /// as configured now.
+    pub(super) fn close_delay(&self) -> Duration {
+        let config = self.config.get();
+        match self.own_close_delay {
+            Some(own) => own.min(config.conversations.max_close_delay),
+            None => config.conversations.close_delay,
+        }
+    }
+
+    /// The configuration changed: every armed rule timer is armed again
+    /// for what is left of its condition under the new durations (a
+    /// condition already older than the new duration fires at once).
+    pub(super) fn reconfigure(&mut self, myself: &ActorRef<ConversationMsg>) {
+        if self.stopping.is_some() {
+            return;
+        }
+        if let Some((_, t)) = self.idle_timer.take() {
+            t.abort();
+        }
+        if let Some((_, t, since)) = self.grace_timer.take() {
+            t.abort();
+            self.arm_grace(myself, since);
+        }
+        self.arm_turn_timeout(myself);
+        self.rearm_timers(myself);
+    }
+
+    fn arm_grace(&mut self, myself: &ActorRef<ConversationMsg>, since: Instant) {
+        self.next_generation += 1;
+        let generation = self.next_generation;
+        let wait = self
+            .config
+            .get()
+            .conversations
+            .detach_grace
+            .saturating_sub(since.elapsed());
+        let handle = ractor::time::send_after(wait, myself.get_cell(), move || {
+            ConversationMsg::DetachGraceOver { generation }
+        });
+        self.grace_timer = Some((generation, handle, since));
+    }
+
+    /// (Re-)arms the running turn's timeout for what is left of
+    /// `agent.turn_timeout` since it started.
+    pub(super) fn arm_turn_timeout(&mut self, myself: &ActorRef<ConversationMsg>) {
+        let timeout = self.config.get().agent.turn_timeout;
+        let Some(turn) = self.turn.as_mut() else {
+            return;
+        };
+        turn.timeout.abort();
+        let wait = timeout.saturating_sub(turn.started.elapsed());
+        let turn_id = turn.id.clone();
+        turn.timeout = ractor::time::send_after(wait, myself.get_cell(), move || {
+            ConversationMsg::TurnTimeout { turn_id }
+        });
     }
 
     /// Arms or disarms the detach-grace and idle timers to match the state.
@@ -69,18 +138,9 @@ impl State {
     pub(super) fn rearm_timers(&mut self, myself: &ActorRef<ConversationMsg>) {
         let detached_turn = self.turn.is_some() && self.attachments.is_empty();
         match (&self.grace_timer, detached_turn) {
-            (None, true) => {
-                self.next_generation += 1;
-                let generation = self.next_generation;
-                let handle = ractor::time::send_after(
-                    self.config.conversations.detach_grace,
-                    myself.get_cell(),
-                    move || ConversationMsg::DetachGraceOver { generation },
-                );
-                self.grace_timer = Some((generation, handle));
-            }
+            (None, true) => self.arm_grace(myself, Instant::now()),
             (Some(_), false) => {
-                if let Some((_, t)) = self.grace_timer.take() {
+                if let Some((_, t, _)) = self.grace_timer.take() {
                     t.abort();
                 }
             }
@@ -92,7 +152,7 @@ impl State {
                 self.next_generation += 1;
                 let generation = self.next_generation;
                 let wait = self
-                    .close_delay
+                    .close_delay()
                     .saturating_sub(self.last_activity.elapsed());
                 let handle = ractor::time::send_after(wait, myself.get_cell(), move || {
                     ConversationMsg::IdleCheck { generation }
@@ -113,12 +173,30 @@ impl State {
         myself: &ActorRef<ConversationMsg>,
         turn_id: Arc<str>,
     ) {
-        if self.turn.as_ref().is_none_or(|t| t.id != turn_id) {
+        let Some(turn) = self.turn.as_ref().filter(|t| t.id == turn_id) else {
+            return;
+        };
+        let timeout = self.config.get().agent.turn_timeout;
+        let ran_for = turn.started.elapsed();
+        if ran_for < timeout {
+            // A timer armed before `agent.turn_timeout` grew: wait for the rest.
+            self.arm_turn_timeout(myself);
             return;
         }
-        let limit = humantime::format_duration(self.config.agent.turn_timeout);
+        let limit = humantime::format_duration(timeout);
         info!(conversation = %self.id, user = %self.user, turn = %turn_id,
             rule = "turn_timeout", timeout = %limit, "turn timed out");
+        self.decisions.record(NewDecision {
+            rule: "turn_timeout",
+            conversation: Some(&self.id),
+            user: Some(&self.user),
+            inputs: json!({
+                "turn": &*turn_id,
+                "turn_timeout": limit.to_string(),
+                "ran_for": humantime::format_duration(round_ms(ran_for)).to_string(),
+            }),
+            outcome: "failed",
+        });
         self.session.stop_turn();
         self.end_turn(
             myself,
@@ -137,16 +215,27 @@ impl State {
         if self
             .grace_timer
             .as_ref()
-            .is_none_or(|(g, _)| *g != generation)
+            .is_none_or(|(g, _, _)| *g != generation)
         {
             return;
         }
         self.grace_timer = None;
         if self.turn.is_some() && self.attachments.is_empty() {
-            let grace = humantime::format_duration(self.config.conversations.detach_grace);
+            let grace = humantime::format_duration(self.config.get().conversations.detach_grace);
             info!(conversation = %self.id, user = %self.user,
                 rule = "detach_grace", detach_grace = %grace,
                 "turn abandoned: nobody attached");
+            self.decisions.record(NewDecision {
+                rule: "detach_grace",
+                conversation: Some(&self.id),
+                user: Some(&self.user),
+                inputs: json!({
+                    "turn": self.turn.as_ref().map(|t| t.id.to_string()),
+                    "detach_grace": grace.to_string(),
+                    "attached": 0,
+                }),
+                outcome: "abandoned",
+            });
             // Queued messages stay queued: they were recorded, and each of
             // their turns gets its own grace.
             self.session.stop_turn();
@@ -166,11 +255,12 @@ impl State {
         }
         self.idle_timer = None;
         let idle_for = self.last_activity.elapsed();
-        if self.is_idle_detached() && idle_for >= self.close_delay {
+        let close_delay = self.close_delay();
+        if self.is_idle_detached() && idle_for >= close_delay {
             let _ = self.supervisor.cast(SupervisorMsg::IdleExpired {
                 id: self.id.clone(),
                 idle_for,
-                close_delay: self.close_delay,
+                close_delay,
             });
         }
     }

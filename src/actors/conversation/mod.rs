@@ -35,15 +35,16 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::connection::{ConnId, ConnectionHandle, ConnectionMsg};
-use super::gauge::ConversationGauge;
+use super::gauge::{ConversationGauge, Holding, TurnStamp};
 use super::outbound::QueueError;
 use super::replay::{Compact, Replay};
+use super::supervision_log::{NewDecision, SupervisionLog};
 use super::supervisor::SupervisorMsg;
 use crate::agent::AGENT_EVENT_CREDITS;
 use crate::agent::{
     Agent, AgentEvent, AgentOutput, AgentSession, EventSink, SessionContext, TurnRequest,
 };
-use crate::config::Config;
+use crate::config::LiveConfig;
 use crate::event::{now_rfc3339, EventData, EventRecord, StartReason, ToolTarget, TurnStatus};
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, Mode, ReqId, ServerFrame, Status, StopReason};
@@ -110,6 +111,9 @@ pub enum ConversationMsg {
     IdleCheck {
         generation: u64,
     },
+    /// From the supervisor: the running configuration changed; re-arm the
+    /// rule timers with the new values.
+    ConfigChanged,
     /// Hands the current batch to the store. Sent to itself after a
     /// handler appended events, so that every message already waiting in
     /// the mailbox (a burst of agent output) joins the same append.
@@ -168,7 +172,10 @@ pub struct ConversationArgs {
     pub id: Arc<str>,
     pub user: Arc<str>,
     pub origin: Origin,
-    pub config: Arc<Config>,
+    /// Read at each decision: a reload applies from the next one on.
+    pub config: LiveConfig,
+    /// Where rule decisions are recorded for operators.
+    pub decisions: Arc<SupervisionLog>,
     pub store: Arc<dyn Store>,
     pub agent: Arc<dyn Agent>,
     pub supervisor: ActorRef<SupervisorMsg>,
@@ -207,6 +214,8 @@ struct Attachment {
 struct Turn {
     id: Arc<str>,
     started: Instant,
+    /// The same moment on the wall clock, for operators.
+    started_at: std::time::SystemTime,
     pending_calls: Vec<String>,
     timeout: Timer,
 }
@@ -230,13 +239,16 @@ struct PendingCreator {
 pub struct State {
     id: Arc<str>,
     user: Arc<str>,
-    config: Arc<Config>,
+    config: LiveConfig,
+    decisions: Arc<SupervisionLog>,
     store: Arc<dyn Store>,
     supervisor: ActorRef<SupervisorMsg>,
     gauge: Arc<ConversationGauge>,
     session: Box<dyn AgentSession>,
     credits: Arc<Semaphore>,
-    close_delay: Duration,
+    /// The close delay given at creation, if any (capped by
+    /// `conversations.max_close_delay` when read: [`State::close_delay`]).
+    own_close_delay: Option<Duration>,
 
     /// The next seq to assign.
     next_seq: u64,
@@ -267,9 +279,11 @@ pub struct State {
     last_activity: Instant,
     last_activity_at: String,
 
-    /// The rule timers: each is (generation, handle) while armed.
+    /// The rule timers: each is (generation, handle) while armed; the
+    /// grace timer also keeps since when nobody watches the turn, to re-arm
+    /// it for what is left when `detach_grace` changes.
     idle_timer: Option<(u64, Timer)>,
-    grace_timer: Option<(u64, Timer)>,
+    grace_timer: Option<(u64, Timer, Instant)>,
     stopping: Option<StopReason>,
 
     pending_creator: Option<PendingCreator>,
@@ -285,6 +299,8 @@ pub struct State {
     failed_attempts: u32,
     /// Protocol §11: the interrupted turn the next turn runs again.
     resume: Option<crate::recovery::InterruptedTurn>,
+    /// The turn last written to the gauge (it is written on change only).
+    gauge_turn: Option<Arc<str>>,
 }
 
 impl Actor for Conversation {
@@ -304,12 +320,13 @@ impl Actor for Conversation {
             workspace: args.workspace.clone(),
             events: EventSink::new(myself.clone(), credits.clone()),
         });
-        let buffer_cap = args.config.conversations.replay_buffer_events;
+        let buffer_cap = args.config.get().conversations.replay_buffer_events;
         let mut state = State {
             id: args.id.clone(),
             user: args.user.clone(),
-            close_delay: args.config.conversations.close_delay,
+            own_close_delay: None,
             config: args.config.clone(),
+            decisions: args.decisions,
             store: args.store,
             supervisor: args.supervisor,
             gauge: args.gauge,
@@ -343,17 +360,15 @@ impl Actor for Conversation {
             store_failure: None,
             failed_attempts: 0,
             resume: None,
+            gauge_turn: None,
         };
-        let max_close_delay = args.config.conversations.max_close_delay;
         match args.origin {
             Origin::New {
                 title,
                 close_delay,
                 reason,
             } => {
-                if let Some(delay) = close_delay {
-                    state.close_delay = delay.min(max_close_delay);
-                }
+                state.own_close_delay = close_delay;
                 state.batch_create = Some(NewConversation {
                     user: args.user.to_string(),
                     title: title.clone(),
@@ -377,9 +392,7 @@ impl Actor for Conversation {
                     queued,
                     client_msg_ids,
                 } = *snapshot;
-                if let Some(delay) = meta.close_delay {
-                    state.close_delay = delay.min(max_close_delay);
-                }
+                state.own_close_delay = meta.close_delay;
                 state.next_seq = meta.head_seq + 1;
                 state.committed = meta.head_seq;
                 state.refill_buffer(tail);
@@ -509,6 +522,7 @@ impl Actor for Conversation {
                 state.on_detach_grace_over(&myself, generation)
             }
             ConversationMsg::IdleCheck { generation } => state.on_idle_check(generation),
+            ConversationMsg::ConfigChanged => state.reconfigure(&myself),
             ConversationMsg::Flush => {
                 state.flush_scheduled = false;
                 state.flush(&myself);
@@ -580,12 +594,25 @@ impl State {
         self.turn.is_none() && self.attachments.is_empty() && self.stopping.is_none()
     }
 
-    fn publish_gauge(&self) {
+    fn publish_gauge(&mut self) {
         self.gauge.publish(
             self.status(),
             self.attachments.len(),
             self.last_activity.into_std(),
         );
+        self.gauge.publish_holding(Holding {
+            queued: self.queue.len(),
+            buffer_events: self.buffer.len(),
+            buffer_bytes: self.buffer_bytes,
+        });
+        let turn = self.turn.as_ref();
+        if turn.map(|t| &t.id) != self.gauge_turn.as_ref() {
+            self.gauge_turn = turn.map(|t| t.id.clone());
+            self.gauge.set_turn(turn.map(|t| TurnStamp {
+                id: t.id.clone(),
+                started: t.started_at,
+            }));
+        }
     }
 
     fn reply_to(&self, conn: ConnId, frame: &ServerFrame) {

@@ -160,7 +160,7 @@ impl State {
         }
         let store = self.store.clone();
         let id = self.id.clone();
-        let tail = self.config.conversations.replay_buffer_events;
+        let tail = self.config.get().conversations.replay_buffer_events;
         let me = myself.clone();
         tokio::spawn(async move {
             let result = match store.probe().await {

@@ -23,7 +23,7 @@ impl State {
             self.ack_when_committed(conn, req, seq, Some(true));
             return;
         }
-        let max_queued = self.config.conversations.max_queued_messages;
+        let max_queued = self.config.get().conversations.max_queued_messages;
         if self.turn.is_some() && self.queue.len() >= max_queued {
             self.refuse(
                 conn,
@@ -70,8 +70,11 @@ impl State {
             message_seq: message.seq,
             resumed_from: resumed_from.clone(),
         });
+        // Taken before the timer is armed: when it fires, the turn has run
+        // at least `agent.turn_timeout` by this clock.
+        let started = Instant::now();
         let timeout =
-            ractor::time::send_after(self.config.agent.turn_timeout, myself.get_cell(), {
+            ractor::time::send_after(self.config.get().agent.turn_timeout, myself.get_cell(), {
                 let turn_id = turn_id.clone();
                 move || ConversationMsg::TurnTimeout { turn_id }
             });
@@ -80,7 +83,8 @@ impl State {
         m::turn_started();
         self.turn = Some(Turn {
             id: turn_id.clone(),
-            started: Instant::now(),
+            started,
+            started_at: std::time::SystemTime::now(),
             pending_calls: Vec::new(),
             timeout,
         });

@@ -26,7 +26,7 @@ use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
 use crate::actors::conversation::{Announce, ConversationMsg};
 use crate::actors::outbound::{self, Outbound, OutboundReceiver};
 use crate::actors::supervisor::{ActivateError, SupervisorMsg, CALL_TIMEOUT};
-use crate::config::Config;
+use crate::config::LiveConfig;
 use crate::protocol::ErrorCode;
 
 /// Header on a route's last message when the owner closed the connection
@@ -49,7 +49,7 @@ pub struct Host {
     subjects: Subjects,
     node: String,
     supervisor: ActorRef<SupervisorMsg>,
-    config: Arc<Config>,
+    config: LiveConfig,
     next_connection: Arc<AtomicU64>,
     routes: Routes,
 }
@@ -60,7 +60,7 @@ impl Host {
         subjects: Subjects,
         node: String,
         supervisor: ActorRef<SupervisorMsg>,
-        config: Arc<Config>,
+        config: LiveConfig,
         next_connection: Arc<AtomicU64>,
     ) -> Host {
         Host {
@@ -182,7 +182,8 @@ impl Host {
             }
             _ => return AttachReply::NotHere,
         };
-        let limits = &self.config.limits;
+        let config = self.config.get();
+        let limits = &config.limits;
         let (outbound, receiver) =
             outbound::channel(limits.max_outbound_frames, limits.slow_consumer_patience);
         let subject = self.subjects.route(&request.socket_node, &request.route);

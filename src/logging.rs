@@ -1,0 +1,234 @@
+//! The server's log on stderr, with a level (`log.level`, or the
+//! `LINGER_LOG` environment variable, which wins) and a format
+//! (`log.format`) that a reload can change while the server runs.
+//!
+//! The level is an `EnvFilter` behind tracing-subscriber's `reload` layer.
+//! The format is two layers, pretty and JSON, both always installed, with
+//! a switch choosing which one writes events: each formatter keeps its own
+//! rendering of every span's fields (the JSON one panics on a span it never
+//! saw), so both must see every span from the start, and swapping one
+//! layer for another at a reload would leave the actors' long-lived spans
+//! without it.
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use tracing::subscriber::Interest;
+use tracing::Metadata;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::layer::{Context, Filter, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{reload, EnvFilter, Layer, Registry};
+
+use crate::config::{LogConfig, LogFormat};
+
+/// The environment variable whose filter, when set, wins over `log.level`.
+pub const LEVEL_ENV: &str = "LINGER_LOG";
+
+/// What a reload may change in the process's logging.
+pub trait LogControl: Send + Sync {
+    /// Why `log.level` cannot change now (an environment variable wins),
+    /// if so.
+    fn level_locked(&self) -> Option<String>;
+    /// Filters events with `level` (already checked by the config).
+    fn set_level(&self, level: &str) -> Result<(), String>;
+    fn set_format(&self, format: LogFormat);
+}
+
+/// The installed logging's switches.
+pub struct Logging {
+    filter: reload::Handle<EnvFilter, Registry>,
+    format: Arc<AtomicU8>,
+    /// `LINGER_LOG` was set (and valid) at start.
+    level_from_env: bool,
+}
+
+fn format_code(format: LogFormat) -> u8 {
+    match format {
+        LogFormat::Pretty => 0,
+        LogFormat::Json => 1,
+    }
+}
+
+/// Lets events through to one format's layer only while that format is
+/// chosen; spans always, so that both layers know every span.
+struct FormatIs {
+    chosen: Arc<AtomicU8>,
+    mine: u8,
+}
+
+impl<S> Filter<S> for FormatIs {
+    fn enabled(&self, meta: &Metadata<'_>, _: &Context<'_, S>) -> bool {
+        !meta.is_event() || self.chosen.load(Ordering::Relaxed) == self.mine
+    }
+
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
+        // Asked again for each event: the choice can change at any time.
+        if meta.is_event() {
+            Interest::sometimes()
+        } else {
+            Interest::always()
+        }
+    }
+}
+
+/// Installs the process's logging (once, at start).
+pub fn init(config: &LogConfig) -> Arc<Logging> {
+    let from_env = std::env::var(LEVEL_ENV)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .and_then(|v| EnvFilter::builder().parse(v).ok());
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let (subscriber, logging) = subscriber(config, from_env, std::io::stderr, ansi);
+    // Only fails when a subscriber is already installed (embedded use):
+    // that one stays.
+    let _ = subscriber.try_init();
+    Arc::new(logging)
+}
+
+/// The subscriber writing to `writer`, and its switches. `env_level`, when
+/// given, wins over `log.level`.
+fn subscriber<W>(
+    config: &LogConfig,
+    env_level: Option<EnvFilter>,
+    writer: W,
+    ansi: bool,
+) -> (impl tracing::Subscriber + Send + Sync, Logging)
+where
+    W: for<'w> MakeWriter<'w> + Clone + Send + Sync + 'static,
+{
+    let level_from_env = env_level.is_some();
+    let filter = env_level
+        .or_else(|| EnvFilter::builder().parse(&config.level).ok())
+        .unwrap_or_else(|| EnvFilter::new("info"));
+    let (filter, handle) = reload::Layer::new(filter);
+    let chosen = Arc::new(AtomicU8::new(format_code(config.format)));
+    let pretty = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
+        .with_writer(writer.clone())
+        .with_filter(FormatIs {
+            chosen: chosen.clone(),
+            mine: format_code(LogFormat::Pretty),
+        });
+    let json = tracing_subscriber::fmt::layer()
+        .json()
+        .flatten_event(true)
+        .with_current_span(false)
+        .with_writer(writer)
+        .with_filter(FormatIs {
+            chosen: chosen.clone(),
+            mine: format_code(LogFormat::Json),
+        });
+    let subscriber = tracing_subscriber::registry()
+        .with(filter)
+        .with(pretty)
+        .with(json);
+    let logging = Logging {
+        filter: handle,
+        format: chosen,
+        level_from_env,
+    };
+    (subscriber, logging)
+}
+
+impl LogControl for Logging {
+    fn level_locked(&self) -> Option<String> {
+        self.level_from_env.then(|| {
+            format!(
+                "{LEVEL_ENV} is set in the server's environment and wins over log.level; \
+                 unset it to set the level from the configuration"
+            )
+        })
+    }
+
+    fn set_level(&self, level: &str) -> Result<(), String> {
+        let filter = EnvFilter::builder()
+            .parse(level)
+            .map_err(|e| format!("log.level: not a tracing filter: {e}"))?;
+        self.filter
+            .reload(filter)
+            .map_err(|e| format!("log.level: {e}"))
+    }
+
+    fn set_format(&self, format: LogFormat) {
+        self.format.store(format_code(format), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// A writer into memory, for reading the log back.
+    #[derive(Clone, Default)]
+    struct Memory(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Memory {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'w> MakeWriter<'w> for Memory {
+        type Writer = Memory;
+        fn make_writer(&'w self) -> Memory {
+            self.clone()
+        }
+    }
+
+    #[test]
+    fn level_and_format_change_inside_a_span_opened_before() {
+        let out = Memory::default();
+        let config = LogConfig::default();
+        let (subscriber, logging) = subscriber(&config, None, out.clone(), false);
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("actor", id = 7);
+            let _inside = span.enter();
+            tracing::info!(n = 1, "first");
+            logging.set_format(LogFormat::Json);
+            tracing::info!(n = 2, "second");
+            logging.set_level("warn").unwrap();
+            tracing::info!(n = 3, "third");
+            tracing::warn!(n = 4, "fourth");
+            logging.set_format(LogFormat::Pretty);
+            tracing::warn!(n = 5, "fifth");
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(
+            lines[0].contains("first") && !lines[0].starts_with('{'),
+            "{text}"
+        );
+        let second: serde_json::Value = serde_json::from_str(lines[1]).unwrap();
+        assert_eq!(second["message"], "second");
+        assert_eq!(second["spans"][0]["id"], 7, "{text}");
+        let fourth: serde_json::Value = serde_json::from_str(lines[2]).unwrap();
+        assert_eq!(fourth["message"], "fourth");
+        assert!(
+            lines[3].contains("fifth") && lines[3].contains("actor{id=7}"),
+            "{text}"
+        );
+        assert!(logging.level_locked().is_none());
+    }
+
+    #[test]
+    fn an_environment_level_locks_log_level() {
+        let (_, logging) = subscriber(
+            &LogConfig::default(),
+            Some(EnvFilter::new("debug")),
+            Memory::default(),
+            false,
+        );
+        assert!(logging
+            .level_locked()
+            .is_some_and(|why| why.contains(LEVEL_ENV)));
+    }
+}
