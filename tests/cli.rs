@@ -21,28 +21,12 @@ use tokio::sync::watch;
 const USER: &str = "alice";
 
 fn linger(url: &str, args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_linger"));
-    command
-        .args(args)
-        .args(["--url", url, "--token", USER])
-        .env_remove("LINGER_URL")
-        .env_remove("LINGER_TOKEN")
-        .env("NO_COLOR", "1")
-        .kill_on_drop(true);
-    command
+    common::linger_client(url, USER, args)
 }
 
 /// Runs a client command to its end: (status, stdout, stderr).
 async fn run(url: &str, args: &[&str]) -> (ExitStatus, String, String) {
-    let output = tokio::time::timeout(RECV_TIMEOUT, linger(url, args).output())
-        .await
-        .unwrap_or_else(|_| panic!("linger {args:?} did not finish in {RECV_TIMEOUT:?}"))
-        .unwrap_or_else(|e| panic!("linger {args:?}: {e}"));
-    (
-        output.status,
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    common::run_client(url, USER, args).await
 }
 
 async fn new_conversation(url: &str, title: &str) -> String {

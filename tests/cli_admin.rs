@@ -36,28 +36,12 @@ async fn server() -> TestServer {
 }
 
 fn linger(server: &TestServer, token: &str, args: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_linger"));
-    command
-        .args(args)
-        .args(["--url", &server.http_url(""), "--token", token])
-        .env_remove("LINGER_URL")
-        .env_remove("LINGER_TOKEN")
-        .env("NO_COLOR", "1")
-        .kill_on_drop(true);
-    command
+    common::linger_client(&server.http_url(""), token, args)
 }
 
 /// Runs a command to its end: (status, stdout, stderr).
 async fn run(server: &TestServer, token: &str, args: &[&str]) -> (ExitStatus, String, String) {
-    let output = tokio::time::timeout(RECV_TIMEOUT, linger(server, token, args).output())
-        .await
-        .unwrap_or_else(|_| panic!("linger {args:?} did not finish in {RECV_TIMEOUT:?}"))
-        .unwrap_or_else(|e| panic!("linger {args:?}: {e}"));
-    (
-        output.status,
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    common::run_client(&server.http_url(""), token, args).await
 }
 
 async fn create(server: &TestServer) -> String {

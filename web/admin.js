@@ -4,18 +4,11 @@
 // decisions (GET /v1/admin/supervision?since=N), refreshed every 2 s while
 // it is open. Apart from app.js: it only reads the token app.js keeps.
 
-const TOKEN_KEY = 'linger.token';
+import { $, h, TOKEN_KEY } from './dom.js';
+
 const REFRESH_MS = 2000;
 const KEEP_DECISIONS = 50;
 
-const $ = (id) => document.getElementById(id);
-
-function h(tag, cls, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 const admin = { token: '', head: 0, decisions: [], timer: null, error: null, probes: 0 };
 

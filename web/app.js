@@ -5,8 +5,8 @@
 
 import { LingerClient, localStorageStore } from './linger/index.js';
 import { renderMarkdown } from './markdown.js';
+import { $, h, TOKEN_KEY } from './dom.js';
 
-const TOKEN_KEY = 'linger.token';
 const getToken = () => localStorage.getItem(TOKEN_KEY) || '';
 function setToken(token) {
   if (token) localStorage.setItem(TOKEN_KEY, token);
@@ -16,14 +16,6 @@ function setToken(token) {
 // Each conversation's last seq and transcript, so a reload resumes.
 const store = localStorageStore();
 
-const $ = (id) => document.getElementById(id);
-
-function h(tag, cls, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function ago(iso) {
   const t = Date.parse(iso);

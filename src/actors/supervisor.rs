@@ -1303,7 +1303,9 @@ async fn load_in_cluster(
     id: &str,
     tail: usize,
 ) -> Result<Option<Found>, StoreError> {
-    let Some(meta) = store.get(id).await? else {
+    // The summary alone (user, observers): the snapshot below reads the
+    // exact head, so `Store::get`'s head read would be done twice.
+    let Some(meta) = cluster.store.summary(id).await? else {
         return Ok(None);
     };
     // Counted before claiming: a refused activation leaves no trace.

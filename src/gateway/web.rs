@@ -43,6 +43,11 @@ const ASSETS: &[Asset] = &[
         body: include_str!("../../web/app.js"),
     },
     Asset {
+        name: "dom.js",
+        content_type: JS,
+        body: include_str!("../../web/dom.js"),
+    },
+    Asset {
         name: "admin.css",
         content_type: "text/css; charset=utf-8",
         body: include_str!("../../web/admin.css"),

@@ -671,3 +671,34 @@ pub async fn stored_events_at(
         }
     }
 }
+
+/// The terminal client (`linger ARGS --url URL --token TOKEN`), with the
+/// user's own environment kept out.
+pub fn linger_client(url: &str, token: &str, args: &[&str]) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_linger"));
+    command
+        .args(args)
+        .args(["--url", url, "--token", token])
+        .env_remove("LINGER_URL")
+        .env_remove("LINGER_TOKEN")
+        .env("NO_COLOR", "1")
+        .kill_on_drop(true);
+    command
+}
+
+/// Runs a client command to its end: (status, stdout, stderr).
+pub async fn run_client(
+    url: &str,
+    token: &str,
+    args: &[&str],
+) -> (std::process::ExitStatus, String, String) {
+    let output = tokio::time::timeout(RECV_TIMEOUT, linger_client(url, token, args).output())
+        .await
+        .unwrap_or_else(|_| panic!("linger {args:?} did not finish in {RECV_TIMEOUT:?}"))
+        .unwrap_or_else(|e| panic!("linger {args:?}: {e}"));
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
