@@ -27,6 +27,10 @@ impl State {
             req,
             announce,
         } = ask;
+        if self.stopping.is_some() && announce == Announce::Created && self.committed == 0 {
+            self.refuse_creator_now(myself, conn, req);
+            return;
+        }
         if self.stopping.is_some() {
             conn.outbound.reply(&ServerFrame::error(
                 req,

@@ -287,6 +287,10 @@ pub struct State {
     stopping: Option<StopReason>,
 
     pending_creator: Option<PendingCreator>,
+    /// Why the first commit failed, for a creator whose attach arrives
+    /// after the failure (the commit can fail before the creator's attach
+    /// reaches the actor): it hears that, not "stopping".
+    creation_failed: Option<String>,
     /// Connections detached by the stop, kept so that requests still in
     /// the mailbox when it stops are answered, not dropped.
     departed: HashMap<ConnId, ConnectionHandle>,
@@ -355,6 +359,7 @@ impl Actor for Conversation {
             grace_timer: None,
             stopping: None,
             pending_creator: None,
+            creation_failed: None,
             departed: HashMap::new(),
             epoch: 0,
             store_failure: None,

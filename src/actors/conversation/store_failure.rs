@@ -106,18 +106,37 @@ impl State {
     /// Tells a creator still waiting for the first commit that the
     /// conversation could not be created.
     fn refuse_creator(&mut self, myself: &ActorRef<ConversationMsg>, message: &str) {
-        if let Some(creator) = self.pending_creator.take() {
-            creator.conn.outbound.reply(&ServerFrame::error(
-                creator.req,
-                ErrorCode::StoreUnavailable,
-                format!("the conversation could not be created: {message}; retry later"),
-                None,
+        if self.committed == 0 {
+            self.creation_failed = Some(format!(
+                "the conversation could not be created: {message}; retry later"
             ));
-            let _ = creator.conn.actor.cast(ConnectionMsg::DetachedBy {
-                conversation_id: self.id.clone(),
-                actor: myself.get_id(),
-            });
         }
+        if let Some(creator) = self.pending_creator.take() {
+            self.refuse_creator_now(myself, creator.conn, creator.req);
+        }
+    }
+
+    /// Answers a creator with why the first commit failed.
+    pub(super) fn refuse_creator_now(
+        &self,
+        myself: &ActorRef<ConversationMsg>,
+        conn: ConnectionHandle,
+        req: Option<ReqId>,
+    ) {
+        let message = self
+            .creation_failed
+            .clone()
+            .unwrap_or_else(|| "the conversation could not be created; retry later".into());
+        conn.outbound.reply(&ServerFrame::error(
+            req,
+            ErrorCode::StoreUnavailable,
+            message,
+            None,
+        ));
+        let _ = conn.actor.cast(ConnectionMsg::DetachedBy {
+            conversation_id: self.id.clone(),
+            actor: myself.get_id(),
+        });
     }
 
     /// Drops every event not committed and answers whoever waited on one.
