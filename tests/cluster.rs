@@ -7,11 +7,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-
 use common::nats::Nats;
 use common::RECV_TIMEOUT;
-use linger::cluster::lease::Leases;
+use linger::cluster::lease::{Leases, Lookup};
+use linger::cluster::liveness::{Departure, Liveness, Renewal};
 use linger::cluster::log::{EventLog, Fence};
 use linger::cluster::{connect, Cluster, ClusterError, ClusterOptions};
 use linger::config::{ClusterMode, Config};
@@ -171,37 +170,97 @@ async fn seq_n_is_found_among_interleaved_conversations() {
     }
 }
 
+/// One heartbeat per node process keeps its conversations; when it ages
+/// out, another node sees the departure, finds the conversation orphaned,
+/// takes it with the next term, and the silent node's append is fenced.
+/// A process restarted under the same node id replaces the heartbeat, and
+/// the earlier process's records are orphans at once.
 #[tokio::test]
-async fn an_expired_lease_is_taken_over_with_the_next_term() {
+async fn a_departed_node_s_conversation_is_taken_over_with_the_next_term() {
     let nats = Nats::single().await;
     let ttl = Duration::from_secs(1);
     let c = cluster(nats.urls(), options(RECV_TIMEOUT, 1, ttl)).await;
-    let a = Leases::open(&c, "node-a").await.unwrap();
-    let b = Leases::open(&c, "node-b").await.unwrap();
+    let live_a = Liveness::open(&c, "node-a").await.unwrap();
+    let live_b = Liveness::open(&c, "node-b").await.unwrap();
+    let heartbeat_a = live_a.announce().await.unwrap();
+    // B stays alive throughout: its heartbeat renewed as a node does.
+    let mut heartbeat_b = live_b.announce().await.unwrap();
+    let beating = live_b.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(ttl / 3).await;
+            if let Ok(Renewal::Renewed(r) | Renewal::Restored(r)) = beating.renew(heartbeat_b).await
+            {
+                heartbeat_b = r;
+            }
+        }
+    });
+    let a = Leases::open(&c, live_a.clone()).await.unwrap();
+    let b = Leases::open(&c, live_b.clone()).await.unwrap();
     let log = EventLog::open(&c).await.unwrap();
-    let mut expiries = b.expiries().await.unwrap();
+    // B watches heartbeats and records, as every node does.
+    let (departed_tx, mut departed) = tokio::sync::mpsc::unbounded_channel();
+    let watching = live_b.clone();
+    tokio::spawn(async move { watching.watch(&departed_tx).await });
+    let (claimed_tx, mut claimed) = tokio::sync::mpsc::unbounded_channel();
+    let watching = b.clone();
+    tokio::spawn(async move {
+        watching
+            .watch(|c, h, _| {
+                let _ = claimed_tx.send((c.to_owned(), h.node.clone()));
+            })
+            .await
+    });
 
     let term = log.head("c_l").await.unwrap().term + 1;
-    let mut lease = a.acquire("c_l", term).await.unwrap();
+    assert_eq!(
+        a.lookup("c_l").await.unwrap(),
+        Lookup::Free { revision: None }
+    );
+    let lease = a.acquire("c_l", term, None).await.unwrap();
     let mut fence_a = log.take_over("c_l", lease.term, "node-a", 0).await.unwrap();
     log.append(&mut fence_a, &events("c_l", 1, 1, "a"))
         .await
         .unwrap();
-    a.renew(&mut lease).await.unwrap();
-    // Held: B cannot take it.
-    match b.acquire("c_l", term + 1).await {
-        Err(ClusterError::LeaseHeld { holder, .. }) => assert_eq!(holder, "node-a"),
+    let heartbeat_a = match live_a.renew(heartbeat_a).await.unwrap() {
+        Renewal::Renewed(r) => r,
+        other => panic!("{other:?}"),
+    };
+    // Held by A: B cannot write the record.
+    match b.lookup("c_l").await.unwrap() {
+        Lookup::Held(holder) => assert_eq!(holder.node, "node-a"),
         other => panic!("{other:?}"),
     }
-    // A goes silent; B sees the lease expire.
-    let expired = tokio::time::timeout(RECV_TIMEOUT, expiries.next())
+    assert!(matches!(
+        b.acquire("c_l", term + 1, None).await,
+        Err(ClusterError::LeaseHeld { .. })
+    ));
+    let seen = tokio::time::timeout(RECV_TIMEOUT, claimed.recv())
         .await
-        .expect("an expiry within the timeout");
-    assert_eq!(expired.as_deref(), Some("c_l"));
-    assert_eq!(b.holder("c_l").await.unwrap(), None);
+        .expect("B's watch shows A's record");
+    assert_eq!(seen, Some(("c_l".to_owned(), "node-a".to_owned())));
 
+    // A goes silent: B sees it depart, and the conversation is an orphan.
+    let departure = tokio::time::timeout(RECV_TIMEOUT, departed.recv())
+        .await
+        .expect("A's departure within the timeout")
+        .expect("a departure");
+    assert_eq!(
+        departure,
+        Departure {
+            node: "node-a".into(),
+            except: None
+        }
+    );
+    assert_eq!(b.orphans_of(&departure), vec!["c_l".to_owned()]);
+    let Lookup::Free {
+        revision: Some(orphan),
+    } = b.lookup("c_l").await.unwrap()
+    else {
+        panic!("A's record is an orphan once A departed");
+    };
     let head = log.head("c_l").await.unwrap();
-    let lease_b = b.acquire("c_l", head.term + 1).await.unwrap();
+    let lease_b = b.acquire("c_l", head.term + 1, Some(orphan)).await.unwrap();
     assert_eq!(lease_b.term, 2);
     let mut fence_b = log
         .take_over("c_l", lease_b.term, "node-b", 0)
@@ -210,17 +269,47 @@ async fn an_expired_lease_is_taken_over_with_the_next_term() {
     log.append(&mut fence_b, &events("c_l", 2, 1, "b"))
         .await
         .unwrap();
-    // A wakes up: its renewal and its append are both refused.
+
+    // A wakes up: its heartbeat is written again, but the conversation is
+    // B's, and A's append is refused.
     assert!(matches!(
-        a.renew(&mut lease).await,
-        Err(ClusterError::LeaseHeld { .. })
+        live_a.renew(heartbeat_a).await.unwrap(),
+        Renewal::Restored(_)
     ));
+    match a.lookup("c_l").await.unwrap() {
+        Lookup::Held(holder) => assert_eq!(holder.node, "node-b"),
+        other => panic!("{other:?}"),
+    }
     assert!(matches!(
         log.append(&mut fence_a, &events("c_l", 2, 1, "a")).await,
         Err(ClusterError::Fenced { .. })
     ));
     b.release(lease_b).await.unwrap();
     assert_eq!(b.holder("c_l").await.unwrap(), None);
+
+    // A restarts under the same node id: its new process replaces the
+    // heartbeat, which B sees as the earlier process departing.
+    let again = Liveness::open(&c, "node-a").await.unwrap();
+    again.announce().await.unwrap();
+    loop {
+        let next = tokio::time::timeout(RECV_TIMEOUT, departed.recv())
+            .await
+            .expect("the earlier process's departure")
+            .expect("a departure");
+        if next.except.is_some() {
+            assert_eq!(next.node, "node-a");
+            assert_eq!(next.except.as_deref(), Some(again.incarnation()));
+            break;
+        }
+    }
+    assert!(!live_b
+        .is_alive("node-a", live_a.incarnation())
+        .await
+        .unwrap());
+    assert!(live_b
+        .is_alive("node-a", again.incarnation())
+        .await
+        .unwrap());
 }
 
 #[tokio::test]

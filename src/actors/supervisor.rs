@@ -1366,5 +1366,16 @@ async fn close_for_lost_node(
     }
     crate::recovery::close(store, &snapshot.meta, StopReason::NodeLost)
         .await
-        .map_err(|_| StoreError::Closed)?
+        .map_err(|_| StoreError::Closed)??;
+    // The dead node's entry would count against the user until read and
+    // skipped; gone before anyone activates it again (we hold it now).
+    if let Err(e) = cluster
+        .ownership
+        .leases()
+        .remove_activity(&snapshot.meta.user, id)
+        .await
+    {
+        warn!(conversation = %id, error = %e, "withdrawing a lost node's activity failed");
+    }
+    Ok(())
 }

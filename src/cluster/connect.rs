@@ -62,8 +62,13 @@ impl ClusterOptions {
     pub fn meta_bucket(&self) -> String {
         format!("{}_conversations", self.prefix)
     }
+    /// Node heartbeats ([`super::liveness`]).
     pub fn lease_bucket(&self) -> String {
         format!("{}_leases", self.prefix)
+    }
+    /// Ownership records and activity ([`super::lease`]).
+    pub fn owners_bucket(&self) -> String {
+        format!("{}_owners", self.prefix)
     }
 }
 
@@ -192,6 +197,23 @@ impl Cluster {
                 .create_or_update_key_value(leases.clone())
                 .await
                 .map_err(|e| unavailable("the leases bucket", &e))
+        })
+        .await?;
+        let owners = kv::Config {
+            bucket: o.owners_bucket(),
+            history: 1,
+            num_replicas: o.replicas,
+            storage: stream::StorageType::File,
+            // Enables per-message TTLs, so that the marker a released
+            // record leaves ages out instead of staying forever.
+            limit_markers: Some(Duration::from_secs(60)),
+            ..Default::default()
+        };
+        with_deadline(o.op_timeout, "creating the owners bucket", || async {
+            self.js
+                .create_or_update_key_value(owners.clone())
+                .await
+                .map_err(|e| unavailable("the owners bucket", &e))
         })
         .await?;
         Ok(())

@@ -1,40 +1,51 @@
-//! Ownership leases: which node should run a conversation.
+//! Ownership records: which node process runs a conversation.
 //!
-//! A KV bucket with `max_age = cluster.lease_ttl` and history 1: a key per
-//! conversation holding `{node, term}`. JetStream's per-key expiry is per
-//! message, so every renewal (a new revision) starts a fresh TTL and a key
-//! its owner stopped renewing disappears after `lease_ttl`. The bucket has
-//! subject delete markers (2.11 `limit_markers`): an expiry leaves a
-//! `MaxAge` marker, which watchers see as a purge, so a surviving node
-//! notices a dead node's lease without scanning ([`Leases::expiries`]). A
-//! node that starts later finds expired leases by checking the holder of
-//! each unfinished conversation ([`Leases::holder`]).
+//! The owners bucket (no TTL, history 1) has a key per active conversation
+//! holding `{node, incarnation, term}`. A record is only as good as its
+//! holder's heartbeat ([`super::liveness`]): while that names the same
+//! incarnation the conversation is held, and once it ages out or names
+//! another incarnation the record is an orphan anyone may replace. So a
+//! node keeps all its conversations with one heartbeat, and a record is
+//! written once per claim, not renewed.
 //!
-//! Acquire is KV `create` (refused when a live lease exists); renew is KV
-//! `update` with the revision last written (refused if anyone else wrote or
-//! the key expired); release deletes with the expected revision. The term
-//! comes from the log (its head's term + 1), not from the lease: an
-//! expired lease leaves no term behind, and the log is what the fence
-//! checks. A lease never authorizes an append; the fence does ([`super::log`]).
+//! Acquire is KV `create` when no record exists, or `update` with the
+//! revision of the orphaned record it read, so two claimants cannot both
+//! win; release purges with the expected revision (the purge marker ages
+//! out). The term comes from the log (its head's term + 1), not from the
+//! record, and a record never authorizes an append: the fence does
+//! ([`super::log`]).
 //!
-//! Cluster-wide per-user counts: beside each lease, its holder keeps a key
+//! Every node watches the bucket ([`Leases::watch`]): that is how it keeps
+//! a view of who holds what (to find a departed node's conversations) and
+//! how it learns at once that a conversation it runs was claimed by
+//! another node.
+//!
+//! Cluster-wide per-user counts: beside each record, its holder keeps a key
 //! `u.<hex user>.<conversation>` in the same bucket with what eviction
-//! needs to know ([`Activity`]), rewritten at each renewal, so it expires
-//! with the lease. A user's active conversations are the subjects matching
-//! `u.<hex user>.*` (stream info with a subject filter answers that from
-//! the server's subject index), read one by one (a deleted key's marker
-//! also has a subject until it ages out).
+//! needs to know ([`Activity`]), written when that changes. A user's
+//! active conversations are the subjects matching `u.<hex user>.*` (stream
+//! info with a subject filter answers that from the server's subject
+//! index), read one by one; entries whose holder is gone are skipped.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_nats::jetstream::kv::{self, CreateErrorKind, Operation, UpdateErrorKind};
-use futures_util::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 
+use super::liveness::{Departure, Liveness};
 use super::{check_token, with_deadline, Cluster, ClusterError};
 
-/// The value of a lease key.
+/// How long a released record's purge marker stays (then the key is gone
+/// from the bucket altogether).
+const RELEASED_MARKER_TTL: Duration = Duration::from_secs(60);
+
+/// The value of an ownership record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Holder {
     pub node: String,
+    pub incarnation: String,
     pub term: u64,
 }
 
@@ -44,6 +55,9 @@ pub struct Holder {
 pub struct Activity {
     pub conversation: String,
     pub node: String,
+    /// The holder's process: an entry left by a node that died is skipped.
+    #[serde(default)]
+    pub incarnation: String,
     pub running: bool,
     pub attached: bool,
     /// Unix time of the last activity, in microseconds.
@@ -54,159 +68,262 @@ fn activity_key(user: &str, conversation: &str) -> String {
     format!("u.{}.{conversation}", super::meta::user_token(user))
 }
 
-/// A lease this node holds.
+/// A record this node wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
     pub conversation: String,
     pub term: u64,
-    /// The KV revision last written; renewals must match it.
+    /// The KV revision written; a release must match it.
     pub revision: u64,
 }
 
-/// The lease bucket, seen from one node.
+/// A conversation's record, as the bucket's leader has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// A live node process holds it.
+    Held(Holder),
+    /// Nobody live does; `revision` is that of the orphaned record to
+    /// replace (`None`: there is none).
+    Free { revision: Option<u64> },
+}
+
+/// The owners bucket, seen from one node.
 #[derive(Clone)]
 pub struct Leases {
     cluster: Cluster,
     kv: kv::Store,
-    node: String,
+    liveness: Liveness,
+    /// Who holds what, as the watch last showed it.
+    seen: Arc<Mutex<HashMap<String, (Holder, u64)>>>,
 }
 
 impl Leases {
-    pub async fn open(cluster: &Cluster, node: &str) -> Result<Leases, ClusterError> {
-        check_token(node)?;
+    pub async fn open(cluster: &Cluster, liveness: Liveness) -> Result<Leases, ClusterError> {
         Ok(Leases {
-            kv: cluster.bucket(&cluster.options.lease_bucket()).await?,
+            kv: cluster.bucket(&cluster.options.owners_bucket()).await?,
             cluster: cluster.clone(),
-            node: node.to_owned(),
+            liveness,
+            seen: Arc::default(),
         })
     }
 
     pub fn node(&self) -> &str {
-        &self.node
+        self.liveness.node()
+    }
+
+    pub fn liveness(&self) -> &Liveness {
+        &self.liveness
+    }
+
+    fn seen(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Holder, u64)>> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn value(&self, term: u64) -> Result<bytes::Bytes, ClusterError> {
         serde_json::to_vec(&Holder {
-            node: self.node.clone(),
+            node: self.node().to_owned(),
+            incarnation: self.liveness.incarnation().to_owned(),
             term,
         })
         .map(Into::into)
         .map_err(|e| ClusterError::Corrupt(e.to_string()))
     }
 
-    /// Takes the lease if nobody holds a live one. `term` is the log head's
-    /// term + 1.
-    pub async fn acquire(&self, conversation: &str, term: u64) -> Result<Lease, ClusterError> {
+    /// Whether `holder` is this very process.
+    pub fn is_mine(&self, holder: &Holder) -> bool {
+        holder.node == self.node() && holder.incarnation == self.liveness.incarnation()
+    }
+
+    /// The conversation's record from the bucket's leader, and whether its
+    /// holder is alive.
+    pub async fn lookup(&self, conversation: &str) -> Result<Lookup, ClusterError> {
         check_token(conversation)?;
-        let value = self.value(term)?;
-        let created = with_deadline(
-            self.cluster.options.op_timeout,
-            "acquiring a lease",
-            || async {
-                match self.kv.create(conversation, value.clone()).await {
-                    Ok(revision) => Ok(Some(revision)),
-                    Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(None),
-                    Err(e) => Err(ClusterError::Unavailable(e.to_string())),
-                }
-            },
-        )
-        .await?;
-        match created {
-            Some(revision) => Ok(Lease {
-                conversation: conversation.to_owned(),
-                term,
-                revision,
-            }),
-            None => Err(ClusterError::LeaseHeld {
-                conversation: conversation.to_owned(),
-                holder: self
-                    .holder(conversation)
-                    .await?
-                    .map(|h| h.node)
-                    .unwrap_or_default(),
-            }),
-        }
-    }
-
-    /// Renews a held lease; `LeaseHeld` means it was lost (expired, or
-    /// taken), and the conversation must be stopped here.
-    pub async fn renew(&self, lease: &mut Lease) -> Result<(), ClusterError> {
-        let value = self.value(lease.term)?;
-        let revision = lease.revision;
-        let result = with_deadline(
-            self.cluster.options.op_timeout,
-            "renewing a lease",
-            || async {
-                match self
-                    .kv
-                    .update(&lease.conversation, value.clone(), revision)
-                    .await
-                {
-                    Ok(r) => Ok(Some(r)),
-                    Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(None),
-                    Err(e) => Err(ClusterError::Unavailable(e.to_string())),
-                }
-            },
-        )
-        .await?;
-        match result {
-            Some(r) => {
-                lease.revision = r;
-                Ok(())
-            }
-            None => Err(ClusterError::LeaseHeld {
-                conversation: lease.conversation.clone(),
-                holder: self
-                    .holder(&lease.conversation)
-                    .await?
-                    .map(|h| h.node)
-                    .unwrap_or_default(),
-            }),
-        }
-    }
-
-    /// Gives the lease up (a stop or a graceful shutdown). A lease already
-    /// lost is not an error.
-    pub async fn release(&self, lease: Lease) -> Result<(), ClusterError> {
-        with_deadline(
-            self.cluster.options.op_timeout,
-            "releasing a lease",
-            || async {
-                match self
-                    .kv
-                    .delete_expect_revision(&lease.conversation, Some(lease.revision))
-                    .await
-                {
-                    Ok(()) => Ok(()),
-                    Err(e) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => Ok(()),
-                    Err(e) => Err(ClusterError::Unavailable(e.to_string())),
-                }
-            },
-        )
-        .await
-    }
-
-    /// Who holds a live lease on the conversation, if anyone, as the
-    /// bucket's leader has it (a follower may not have seen a claim yet).
-    pub async fn holder(&self, conversation: &str) -> Result<Option<Holder>, ClusterError> {
-        check_token(conversation)?;
-        let value = super::leader_entry(
+        let got = super::leader_entry(
             &self.kv,
             conversation,
             self.cluster.options.op_timeout,
-            "reading a lease",
+            "reading an ownership record",
         )
         .await?;
-        match value {
-            None => Ok(None),
-            Some((v, _)) => serde_json::from_slice(&v)
-                .map(Some)
-                .map_err(|e| ClusterError::Corrupt(format!("lease {conversation}: {e}"))),
+        let Some((value, revision)) = got else {
+            return Ok(Lookup::Free { revision: None });
+        };
+        let holder: Holder = serde_json::from_slice(&value)
+            .map_err(|e| ClusterError::Corrupt(format!("owner of {conversation}: {e}")))?;
+        if self
+            .liveness
+            .is_alive(&holder.node, &holder.incarnation)
+            .await?
+        {
+            Ok(Lookup::Held(holder))
+        } else {
+            Ok(Lookup::Free {
+                revision: Some(revision),
+            })
         }
     }
 
+    /// Who holds the conversation, if a live node process does.
+    pub async fn holder(&self, conversation: &str) -> Result<Option<Holder>, ClusterError> {
+        match self.lookup(conversation).await? {
+            Lookup::Held(holder) => Ok(Some(holder)),
+            Lookup::Free { .. } => Ok(None),
+        }
+    }
+
+    /// Writes this process's record with `term` (the log head's term + 1),
+    /// replacing the orphaned record at `orphan` (from [`Leases::lookup`]).
+    /// `LeaseHeld` when someone else wrote the record since.
+    pub async fn acquire(
+        &self,
+        conversation: &str,
+        term: u64,
+        orphan: Option<u64>,
+    ) -> Result<Lease, ClusterError> {
+        check_token(conversation)?;
+        let value = self.value(term)?;
+        let written = with_deadline(
+            self.cluster.options.op_timeout,
+            "writing an ownership record",
+            || async {
+                let result = match orphan {
+                    None => self
+                        .kv
+                        .create(conversation, value.clone())
+                        .await
+                        .map_err(|e| (e.kind() == CreateErrorKind::AlreadyExists, e.to_string())),
+                    Some(revision) => self
+                        .kv
+                        .update(conversation, value.clone(), revision)
+                        .await
+                        .map_err(|e| {
+                            (
+                                e.kind() == UpdateErrorKind::WrongLastRevision,
+                                e.to_string(),
+                            )
+                        }),
+                };
+                match result {
+                    Ok(revision) => Ok(Some(revision)),
+                    Err((true, _)) => Ok(None),
+                    Err((false, e)) => Err(ClusterError::Unavailable(e)),
+                }
+            },
+        )
+        .await?;
+        let Some(revision) = written else {
+            return Err(ClusterError::LeaseHeld {
+                conversation: conversation.to_owned(),
+                holder: String::new(),
+            });
+        };
+        if let Ok(holder) = serde_json::from_slice::<Holder>(&value) {
+            self.note(conversation, Some((holder, revision)));
+        }
+        Ok(Lease {
+            conversation: conversation.to_owned(),
+            term,
+            revision,
+        })
+    }
+
+    /// Gives the record up (a stop or a graceful shutdown). One replaced
+    /// meanwhile is not an error.
+    pub async fn release(&self, lease: Lease) -> Result<(), ClusterError> {
+        with_deadline(
+            self.cluster.options.op_timeout,
+            "releasing an ownership record",
+            || async {
+                match self
+                    .kv
+                    .purge_expect_revision_with_ttl(
+                        &lease.conversation,
+                        lease.revision,
+                        RELEASED_MARKER_TTL,
+                    )
+                    .await
+                {
+                    Ok(()) => Ok(()),
+                    Err(e) if e.kind() == kv::PurgeErrorKind::WrongLastRevision => Ok(()),
+                    Err(e) => Err(ClusterError::Unavailable(e.to_string())),
+                }
+            },
+        )
+        .await?;
+        let mut seen = self.seen();
+        if seen
+            .get(&lease.conversation)
+            .is_some_and(|(_, r)| *r <= lease.revision)
+        {
+            seen.remove(&lease.conversation);
+        }
+        Ok(())
+    }
+
+    fn note(&self, conversation: &str, now: Option<(Holder, u64)>) {
+        let mut seen = self.seen();
+        let newer = seen
+            .get(conversation)
+            .is_none_or(|(_, r)| now.as_ref().is_none_or(|(_, n)| n > r));
+        if !newer {
+            return;
+        }
+        match now {
+            Some(record) => {
+                seen.insert(conversation.to_owned(), record);
+            }
+            None => {
+                seen.remove(conversation);
+            }
+        }
+    }
+
+    /// The conversations the watch last showed held by `departure`'s node
+    /// under an incarnation other than the one that replaced it.
+    pub fn orphans_of(&self, departure: &Departure) -> Vec<String> {
+        self.seen()
+            .iter()
+            .filter(|(_, (h, _))| {
+                h.node == departure.node
+                    && departure
+                        .except
+                        .as_deref()
+                        .is_none_or(|keep| h.incarnation != keep)
+            })
+            .map(|(c, _)| c.clone())
+            .collect()
+    }
+
+    /// Watches every ownership record (first the current ones, then
+    /// changes), keeping [`Leases::orphans_of`]'s view; calls `claimed`
+    /// with each record written (conversation, holder, revision). Returns
+    /// when the watch breaks; the caller watches again.
+    pub async fn watch(&self, mut claimed: impl FnMut(&str, &Holder, u64)) -> ClusterError {
+        super::watch_kv(&self.kv, "*", |entry| {
+            match entry.operation {
+                Operation::Put => {
+                    if let Ok(holder) = serde_json::from_slice::<Holder>(&entry.value) {
+                        claimed(&entry.key, &holder, entry.revision);
+                        self.note(&entry.key, Some((holder, entry.revision)));
+                    }
+                }
+                Operation::Delete | Operation::Purge => {
+                    let mut seen = self.seen();
+                    if seen
+                        .get(&entry.key)
+                        .is_some_and(|(_, r)| *r < entry.revision)
+                    {
+                        seen.remove(&entry.key);
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// Publishes what eviction needs to know of a conversation this node
-    /// runs (with each renewal: it expires with the lease).
+    /// runs.
     pub async fn put_activity(&self, user: &str, activity: &Activity) -> Result<(), ClusterError> {
         check_token(&activity.conversation)?;
         let value: bytes::Bytes = serde_json::to_vec(activity)
@@ -227,7 +344,7 @@ impl Leases {
         .await
     }
 
-    /// Withdraws a conversation's activity (it stopped here).
+    /// Withdraws a conversation's activity (it stopped, or its node died).
     pub async fn remove_activity(
         &self,
         user: &str,
@@ -239,7 +356,7 @@ impl Leases {
             "withdrawing activity",
             || async {
                 self.kv
-                    .delete(&key)
+                    .purge_with_ttl(&key, RELEASED_MARKER_TTL)
                     .await
                     .map_err(|e| ClusterError::Unavailable(e.to_string()))
             },
@@ -247,8 +364,8 @@ impl Leases {
         .await
     }
 
-    /// A user's active conversations on every node, as their holders last
-    /// published them.
+    /// A user's active conversations on every live node, as their holders
+    /// last published them.
     pub async fn user_activity(&self, user: &str) -> Result<Vec<Activity>, ClusterError> {
         let pattern = format!("u.{}.*", super::meta::user_token(user));
         let keys = super::kv_keys(
@@ -272,39 +389,17 @@ impl Leases {
                 },
             )
             .await?;
-            if let Some(value) = value {
-                match serde_json::from_slice::<Activity>(&value) {
-                    Ok(a) => out.push(a),
-                    Err(e) => return Err(ClusterError::Corrupt(format!("activity {key}: {e}"))),
-                }
+            let Some(value) = value else { continue };
+            let activity = serde_json::from_slice::<Activity>(&value)
+                .map_err(|e| ClusterError::Corrupt(format!("activity {key}: {e}")))?;
+            if self
+                .liveness
+                .is_alive(&activity.node, &activity.incarnation)
+                .await?
+            {
+                out.push(activity);
             }
         }
         Ok(out)
-    }
-
-    /// Conversations whose lease expired (its holder stopped renewing) from
-    /// now on; a release is not an expiry. Ends when the watch breaks (the
-    /// caller watches again after NATS trouble, and scans with `holder`).
-    pub async fn expiries(
-        &self,
-    ) -> Result<impl Stream<Item = String> + Send + 'static, ClusterError> {
-        let watch = self
-            .kv
-            .watch_all()
-            .await
-            .map_err(|e| ClusterError::Unavailable(e.to_string()))?;
-        Ok(watch
-            .take_while(|e| std::future::ready(e.is_ok()))
-            .filter_map(|e| {
-                std::future::ready(match e {
-                    // Activity keys (`u.…`) expire with their lease.
-                    Ok(entry)
-                        if entry.operation == Operation::Purge && !entry.key.contains('.') =>
-                    {
-                        Some(entry.key)
-                    }
-                    _ => None,
-                })
-            }))
     }
 }

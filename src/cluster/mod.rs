@@ -6,27 +6,29 @@
 //!   than 2.11, creating (or checking) the stream and buckets.
 //! - [`log`]: the per-conversation event log, every append a conditional
 //!   publish (the fence), and finding linger seq N without a scan.
-//! - [`lease`]: who should run a conversation: a KV key with a TTL, renewed
-//!   by its owner; expiries of dead nodes' leases are watched.
+//! - [`liveness`]: one heartbeat per node process (a KV key with a TTL);
+//!   departures of other nodes are watched.
+//! - [`lease`]: who should run a conversation: an ownership record per
+//!   conversation, valid while its holder's heartbeat lives.
 //! - [`meta`]: conversation summaries ([`crate::store::ConversationMeta`]) in
 //!   a KV bucket, with a per-user index.
 //! - [`store`]: [`store::NatsStore`], the [`crate::store::Store`] trait over
 //!   the three, plus ownership (take over, fence) as its extension.
-//! - [`ownership`]: claiming a conversation (lease, then fence), renewing
-//!   the leases, giving them back.
+//! - [`ownership`]: claiming a conversation (record, then fence), the
+//!   heartbeat, noticing a conversation taken over, giving records back.
 //! - [`remote`]: attachments served by the owner to clients on other
 //!   nodes (node-to-node traffic over core NATS).
 //! - [`node`]: this node's part, put together, and the watch for
 //!   conversations of lost nodes.
 //!
 //! # Two mechanisms, two jobs
-//! The lease says which node *should* run a conversation and lets others
-//! notice a dead one. The fence decides who *can* append: every append is
+//! The ownership record (and its holder's heartbeat) says which node
+//! *should* run a conversation and lets others notice a dead one. The fence decides who *can* append: every append is
 //! conditional on the stream sequence of the conversation's last message,
 //! and a new owner's first act is a fence message of its own, so a node
 //! that was paused or cut off and still believes it owns the conversation
 //! has its next append refused ([`ClusterError::Fenced`]) and must stop.
-//! A lease alone never decides who may append.
+//! A record alone never decides who may append.
 //!
 //! # When NATS is slow, full, gone or lying
 //! - **Slow**: every operation has a deadline ([`ClusterOptions::op_timeout`]);
@@ -56,6 +58,7 @@
 
 pub mod connect;
 pub mod lease;
+pub mod liveness;
 pub mod log;
 pub mod meta;
 pub mod node;
@@ -220,4 +223,28 @@ pub(crate) async fn kv_keys(
         .into_iter()
         .filter_map(|(s, _)| s.strip_prefix(kv.prefix.as_str()).map(str::to_owned))
         .collect())
+}
+
+/// Hands `each` every entry of `kv` matching `pattern`, first the current
+/// ones, then every change, until the watch breaks or `each` fails; returns
+/// why (the caller watches again).
+pub(crate) async fn watch_kv(
+    kv: &async_nats::jetstream::kv::Store,
+    pattern: &str,
+    mut each: impl FnMut(async_nats::jetstream::kv::Entry) -> Result<(), ClusterError>,
+) -> ClusterError {
+    use futures_util::StreamExt;
+    let mut watch = match kv.watch_with_history(pattern).await {
+        Ok(w) => w,
+        Err(e) => return ClusterError::Unavailable(e.to_string()),
+    };
+    while let Some(entry) = watch.next().await {
+        let result = entry
+            .map_err(|e| ClusterError::Unavailable(e.to_string()))
+            .and_then(&mut each);
+        if let Err(e) = result {
+            return e;
+        }
+    }
+    ClusterError::Unavailable(format!("the watch of {pattern} ended"))
 }

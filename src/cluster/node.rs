@@ -1,18 +1,18 @@
 //! This node's part in a cluster: the NATS connection, the store over
-//! JetStream, its leases, and the background work that goes with them
-//! (renewing leases, serving other nodes, closing a lost node's
-//! conversations).
+//! JetStream, its heartbeat and ownership records, and the background work
+//! that goes with them (the heartbeat, watching records and other nodes,
+//! serving other nodes, closing a lost node's conversations).
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use ractor::ActorRef;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use super::lease::Leases;
+use super::liveness::{Departure, Liveness};
 use super::ownership::Ownership;
 use super::remote::host::Host;
 use super::remote::Subjects;
@@ -45,8 +45,10 @@ impl ClusterNode {
         let subjects = Subjects::new(&options.prefix);
         let cluster = connect(&config.cluster.nats_urls, options).await?;
         let store = NatsStore::open(&cluster, &node).await?;
-        let leases = Leases::open(&cluster, &node).await?;
+        let liveness = Liveness::open(&cluster, &node).await?;
+        let leases = Leases::open(&cluster, liveness).await?;
         let ownership = Ownership::new(leases, store.clone(), config.cluster.lease_ttl);
+        ownership.announce().await?;
         info!(node = %node, nats = %cluster.server_version, "cluster mode: joined");
         Ok(ClusterNode {
             node,
@@ -67,7 +69,8 @@ impl ClusterNode {
         next_connection: Arc<AtomicU64>,
     ) -> Vec<JoinHandle<()>> {
         let (lost_tx, mut lost_rx) = tokio::sync::mpsc::unbounded_channel();
-        let keep_alive = tokio::spawn(self.ownership.clone().keep_alive(lost_tx));
+        let keep_alive = tokio::spawn(self.ownership.clone().keep_alive(lost_tx.clone()));
+        let records = tokio::spawn(self.ownership.clone().watch_records(lost_tx));
         let sup = supervisor.clone();
         let lost = tokio::spawn(async move {
             while let Some(id) = lost_rx.recv().await {
@@ -88,38 +91,41 @@ impl ClusterNode {
             supervisor,
             config.get().cluster.lease_ttl,
         ));
-        vec![keep_alive, lost, serve, orphans]
+        vec![keep_alive, records, lost, serve, orphans]
     }
 }
 
-/// Finds conversations whose owner is gone: each lease expiry as it
-/// happens, and a scan of every conversation stored as active whose lease
-/// nobody holds, at start and every `lease_ttl` (expiries missed while
-/// NATS was unreachable, or before this node started). Each is handed to
-/// the supervisor (`Recover`), which claims it; only one node wins.
+/// Finds conversations whose owner is gone: those of each node whose
+/// heartbeat departs, as it happens (spread over the survivors, see
+/// [`Ownership::orphans`]), and a scan of every conversation stored as
+/// active whose record nobody live holds, at start and then every
+/// [`SCAN_EVERY_TTLS`] `lease_ttl`s (departures missed while NATS was
+/// unreachable, or before this node started). Each is handed to the
+/// supervisor (`Recover`), which claims it; only one node wins.
 async fn watch_orphans(node: Arc<ClusterNode>, supervisor: ActorRef<SupervisorMsg>, ttl: Duration) {
-    let watch_node = node.clone();
-    let watch_sup = supervisor.clone();
+    let (departed_tx, mut departed) = tokio::sync::mpsc::unbounded_channel();
+    let liveness = node.ownership.leases().liveness().clone();
     let watcher = tokio::spawn(async move {
         loop {
-            match watch_node.ownership.leases().expiries().await {
-                Ok(expiries) => {
-                    let mut expiries = std::pin::pin!(expiries);
-                    while let Some(id) = expiries.next().await {
-                        info!(conversation = %id, "a lease expired: its node may be lost");
-                        let _ = watch_sup.cast(SupervisorMsg::Recover { id });
-                    }
-                }
-                Err(e) => warn!(error = %e, "watching lease expiries failed; retrying"),
-            }
+            let error = liveness.watch(&departed_tx).await;
+            warn!(error = %error, "watching node heartbeats failed; watching again");
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     });
-    let mut ticker = tokio::time::interval(ttl.max(Duration::from_secs(1)));
+    let on_departure = {
+        let node = node.clone();
+        let supervisor = supervisor.clone();
+        tokio::spawn(async move {
+            while let Some(departure) = departed.recv().await {
+                recover_departed(&node, &supervisor, departure, ttl);
+            }
+        })
+    };
+    let mut ticker = tokio::time::interval((ttl * SCAN_EVERY_TTLS).max(Duration::from_secs(5)));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        if watcher.is_finished() {
+        if watcher.is_finished() || on_departure.is_finished() {
             return;
         }
         let unfinished = match node.store.unfinished().await {
@@ -138,4 +144,35 @@ async fn watch_orphans(node: Arc<ClusterNode>, supervisor: ActorRef<SupervisorMs
             }
         }
     }
+}
+
+/// The scan for orphans runs every this many `lease_ttl`s: departures are
+/// seen as they happen, so the scan is only the safety net.
+const SCAN_EVERY_TTLS: u32 = 6;
+
+/// Hands a departed node's conversations to the supervisor: this node's
+/// share at once, the others' after half a `lease_ttl` if still orphaned.
+fn recover_departed(
+    node: &Arc<ClusterNode>,
+    supervisor: &ActorRef<SupervisorMsg>,
+    departure: Departure,
+    ttl: Duration,
+) {
+    let (mine, later) = node.ownership.orphans(&departure);
+    info!(departed = %departure.node, here = mine.len(), elsewhere = later.len(),
+        "a node departed: closing its conversations");
+    for id in mine {
+        let _ = supervisor.cast(SupervisorMsg::Recover { id });
+    }
+    if later.is_empty() {
+        return;
+    }
+    let node = node.clone();
+    let supervisor = supervisor.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(ttl / 2).await;
+        for id in node.ownership.still_orphaned(&departure, later) {
+            let _ = supervisor.cast(SupervisorMsg::Recover { id });
+        }
+    });
 }
