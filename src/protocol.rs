@@ -273,7 +273,8 @@ impl StopReason {
     }
 
     /// The `detached` reason connections get when a conversation stops for
-    /// this reason; `None` where nobody can be attached (idle close).
+    /// this reason. An idle close has nobody attached to tell; it maps to
+    /// `closed` so that the match stays total.
     pub fn detach_reason(self) -> DetachReason {
         match self {
             StopReason::UserLimit => DetachReason::UserLimit,

@@ -236,10 +236,10 @@ pub enum SupervisorMsg {
     },
 }
 
-/// How often the supervisor refreshes the active-conversation gauges: at
-/// most this often after its messages, and at least this often by a timer.
-/// Reading every conversation's gauge is O(active conversations), so doing
-/// it after every message made a storm of N reconnects O(N²).
+/// How often the supervisor refreshes the active-conversation gauges: by a
+/// timer at least this often, and after its messages at most four times as
+/// often. Reading every conversation's gauge is O(active conversations), so
+/// doing it after every message made a storm of N reconnects O(N²).
 pub const METRICS_EVERY: Duration = Duration::from_millis(1000);
 
 pub struct SupervisorArgs {
