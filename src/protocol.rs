@@ -2,6 +2,8 @@
 //! frame we parse and every unsequenced server frame we send. Sequenced events
 //! are built in [`crate::event`]; actors exchange typed messages, never JSON.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -273,7 +275,8 @@ impl StopReason {
     }
 
     /// The `detached` reason connections get when a conversation stops for
-    /// this reason; `None` where nobody can be attached (idle close).
+    /// this reason. An idle close has nobody attached to tell; it maps to
+    /// `closed` so that the match stays total.
     pub fn detach_reason(self) -> DetachReason {
         match self {
             StopReason::UserLimit => DetachReason::UserLimit,
@@ -370,6 +373,8 @@ impl ServerFrame {
 
 /// Longest accepted conversation title, in characters.
 pub const MAX_TITLE_CHARS: usize = 200;
+/// Longest accepted user name, in bytes (a token's user, an observer).
+pub const MAX_USER_BYTES: usize = 64;
 /// Longest accepted id (conversation, call, client message), in bytes.
 pub const MAX_ID_BYTES: usize = 128;
 /// Longest accepted message text, in bytes.
@@ -389,6 +394,43 @@ fn depth(value: &Value) -> usize {
     }
 }
 
+/// A request field that breaks its limit or cannot be read, named in the
+/// message; the websocket (`create` frames) and REST share these checks so
+/// that both refuse the same values with the same words.
+#[derive(Debug, thiserror::Error)]
+pub enum FieldError {
+    #[error("title is longer than {MAX_TITLE_CHARS} characters")]
+    TitleTooLong,
+    #[error("close_delay: {0} (use a duration such as \"90s\" or \"15m\")")]
+    CloseDelay(#[from] humantime::DurationError),
+    #[error("user must be 1 to {MAX_USER_BYTES} bytes")]
+    UserNameLength,
+}
+
+/// A new conversation's title fits [`MAX_TITLE_CHARS`].
+pub fn check_title(title: &str) -> Result<(), FieldError> {
+    if title.chars().count() > MAX_TITLE_CHARS {
+        return Err(FieldError::TitleTooLong);
+    }
+    Ok(())
+}
+
+/// A new conversation's `close_delay`, a humantime duration (`90s`, `2h`);
+/// absent: the configured one applies.
+pub fn parse_close_delay(text: Option<&str>) -> Result<Option<Duration>, FieldError> {
+    Ok(text.map(humantime::parse_duration).transpose()?)
+}
+
+/// A user name is 1 to [`MAX_USER_BYTES`] bytes. Authentication also
+/// limits its characters; an observer named over REST needs only the
+/// length, since a fixed token list may name any user.
+pub fn check_user_name(name: &str) -> Result<(), FieldError> {
+    if name.is_empty() || name.len() > MAX_USER_BYTES {
+        return Err(FieldError::UserNameLength);
+    }
+    Ok(())
+}
+
 /// Checks the sizes a parsed frame may carry; the error names the field.
 pub fn check_limits(frame: &ClientFrame) -> Result<(), String> {
     let id = |name: &str, value: &str| {
@@ -399,15 +441,10 @@ pub fn check_limits(frame: &ClientFrame) -> Result<(), String> {
         }
     };
     match frame {
-        ClientFrame::Create { title, .. } => {
-            if title
-                .as_ref()
-                .is_some_and(|t| t.chars().count() > MAX_TITLE_CHARS)
-            {
-                return Err(format!("title is longer than {MAX_TITLE_CHARS} characters"));
-            }
-            Ok(())
-        }
+        ClientFrame::Create { title, .. } => match title {
+            Some(title) => check_title(title).map_err(|e| e.to_string()),
+            None => Ok(()),
+        },
         ClientFrame::Attach {
             conversation_id, ..
         }

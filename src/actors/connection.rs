@@ -9,7 +9,6 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::Semaphore;
 use tracing::{debug, info};
@@ -17,7 +16,7 @@ use tracing::{debug, info};
 use super::conversation::{Announce, ConversationMsg};
 use super::outbound::Outbound;
 use super::supervisor::{
-    create_conversation, ActivateError, Activated, SupervisorMsg, CALL_TIMEOUT,
+    activation_reply, create_conversation, ActivateError, Activated, SupervisorMsg, CALL_TIMEOUT,
 };
 use crate::config::{LimitsConfig, LiveConfig};
 use crate::event::StartReason;
@@ -392,14 +391,13 @@ impl State {
         title: Option<String>,
         close_delay: Option<String>,
     ) {
-        let close_delay = match close_delay.as_deref().map(humantime::parse_duration) {
-            None => None,
-            Some(Ok(d)) => Some(d),
-            Some(Err(e)) => {
+        let close_delay = match protocol::parse_close_delay(close_delay.as_deref()) {
+            Ok(d) => d,
+            Err(e) => {
                 self.reply(&ServerFrame::error(
                     req,
                     ErrorCode::BadRequest,
-                    format!("close_delay: {e} (use a duration such as \"90s\" or \"15m\")"),
+                    e.to_string(),
                     None,
                 ));
                 return;
@@ -445,7 +443,7 @@ impl State {
                 Some(CALL_TIMEOUT),
             )
             .await;
-        match flatten(result) {
+        match activation_reply(result) {
             Ok(activated) => {
                 self.start_attachment(activated, mode, last_seq, compact, req, Announce::Attached)
             }
@@ -503,17 +501,5 @@ impl State {
                 mode,
             },
         );
-    }
-}
-
-fn flatten<T>(
-    result: Result<CallResult<Result<T, ActivateError>>, ractor::MessagingErr<SupervisorMsg>>,
-) -> Result<T, ActivateError> {
-    match result {
-        Ok(CallResult::Success(inner)) => inner,
-        Ok(CallResult::Timeout) => Err(ActivateError::Internal(
-            "the supervisor did not answer in time".into(),
-        )),
-        Ok(CallResult::SenderError) | Err(_) => Err(ActivateError::ShuttingDown),
     }
 }

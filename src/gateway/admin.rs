@@ -6,7 +6,6 @@
 
 use axum::extract::{Query, State};
 use axum::Json;
-use ractor::rpc::CallResult;
 use serde::Deserialize;
 use utoipa::IntoParams;
 
@@ -16,7 +15,7 @@ use super::rest::ApiError;
 use super::AppState;
 use crate::actors::active_view::ActiveConversation;
 use crate::actors::supervision_log::Page;
-use crate::actors::supervisor::{SupervisorMsg, CALL_TIMEOUT};
+use crate::actors::supervisor::{SupervisorMsg, Unanswered, CALL_TIMEOUT};
 use crate::reload::{ReloadError, ReloadOutcome, Trigger};
 
 /// Most decisions one `/v1/admin/supervision` call returns.
@@ -54,12 +53,7 @@ pub async fn conversations(
             Some(CALL_TIMEOUT),
         )
         .await;
-    match listed {
-        Ok(CallResult::Success(list)) => Ok(Json(list)),
-        _ => Err(ApiError::Internal(
-            "the supervisor did not answer in time".into(),
-        )),
-    }
+    Ok(Json(Unanswered::check(listed)?))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

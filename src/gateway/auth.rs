@@ -35,9 +35,6 @@ impl IntoResponse for AuthError {
     }
 }
 
-/// Longest user name accepted.
-const MAX_USER_BYTES: usize = 64;
-
 fn token_from(parts: &Parts) -> Option<String> {
     if let Some(value) = parts.headers.get(header::AUTHORIZATION) {
         let value = value.to_str().ok()?;
@@ -58,9 +55,11 @@ fn url_token(uri: &axum::http::Uri) -> Option<String> {
     Query::<TokenQuery>::try_from_uri(uri).ok()?.0.token
 }
 
+/// A user name a dev token or a JWT `sub` may carry: the length every user
+/// name has ([`crate::protocol::check_user_name`]), in a narrow character
+/// set.
 fn valid_user_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_USER_BYTES
+    crate::protocol::check_user_name(name).is_ok()
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '@'))

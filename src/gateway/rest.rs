@@ -9,7 +9,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use ractor::rpc::CallResult;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use utoipa::{IntoParams, ToSchema};
@@ -17,9 +16,11 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::openapi::{status_schema, ErrorBody, EventsPage, StoreUnavailable};
 use super::AppState;
-use crate::actors::supervisor::{create_conversation, ActivateError, SupervisorMsg, CALL_TIMEOUT};
+use crate::actors::supervisor::{
+    create_conversation, ActivateError, SupervisorMsg, Unanswered, CALL_TIMEOUT,
+};
 use crate::event::StartReason;
-use crate::protocol::MAX_TITLE_CHARS;
+use crate::protocol::{self, FieldError};
 use crate::store::{ConversationMeta, StoreError};
 
 /// Most events one `/events` call returns.
@@ -58,6 +59,18 @@ impl From<StoreError> for ApiError {
             e if e.is_unavailable() => ApiError::StoreUnavailable(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
+    }
+}
+
+impl From<FieldError> for ApiError {
+    fn from(e: FieldError) -> Self {
+        ApiError::BadRequest(e.to_string())
+    }
+}
+
+impl From<Unanswered> for ApiError {
+    fn from(e: Unanswered) -> Self {
+        ActivateError::from(e).into()
     }
 }
 
@@ -277,16 +290,8 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let body = body.map(|Json(b)| b).unwrap_or_default();
     let title = body.title.unwrap_or_default();
-    if title.chars().count() > MAX_TITLE_CHARS {
-        return Err(ApiError::BadRequest(format!(
-            "title is longer than {MAX_TITLE_CHARS} characters"
-        )));
-    }
-    let close_delay = match body.close_delay.as_deref().map(humantime::parse_duration) {
-        None => None,
-        Some(Ok(d)) => Some(d),
-        Some(Err(e)) => return Err(ApiError::BadRequest(format!("close_delay: {e}"))),
-    };
+    protocol::check_title(&title)?;
+    let close_delay = protocol::parse_close_delay(body.close_delay.as_deref())?;
     let activated = create_conversation(
         &app.supervisor,
         &app.config.get().store.path,
@@ -341,17 +346,11 @@ pub async fn delete(
             Some(CALL_TIMEOUT),
         )
         .await;
-    match deleted {
-        Ok(CallResult::Success(Ok(true))) => {}
-        Ok(CallResult::Success(Ok(false))) => return Err(ApiError::NotFound),
-        Ok(CallResult::Success(Err(e))) => return Err(e.into()),
-        _ => {
-            return Err(ApiError::Internal(
-                "the conversation was not deleted in time".into(),
-            ))
-        }
+    match Unanswered::check(deleted)? {
+        Ok(true) => Ok(StatusCode::NO_CONTENT),
+        Ok(false) => Err(ApiError::NotFound),
+        Err(e) => Err(e.into()),
     }
-    Ok(StatusCode::NO_CONTENT)
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -382,9 +381,7 @@ pub async fn add_observer(
     Json(body): Json<ObserverBody>,
 ) -> Result<StatusCode, ApiError> {
     owned(&app, &caller, &id).await?;
-    if body.user.is_empty() || body.user.len() > 64 {
-        return Err(ApiError::BadRequest("user must be 1 to 64 bytes".into()));
-    }
+    protocol::check_user_name(&body.user)?;
     app.store.add_observer(&id, &body.user).await?;
     let _ = app.supervisor.cast(SupervisorMsg::ObserverAdded {
         id,

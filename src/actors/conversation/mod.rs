@@ -254,8 +254,9 @@ pub struct State {
     next_seq: u64,
     /// Every seq up to this one is durable and may be sent.
     committed: u64,
-    /// Assigned, not yet handed to the store (flushed at the end of each
-    /// handler so one handler's events are one append).
+    /// Assigned, not yet handed to the store: on the `Flush` it sends
+    /// itself, so that a burst already in its mailbox is one append (at
+    /// once when stopping or at [`MAX_BATCH_EVENTS`]).
     batch: Vec<Arc<EventRecord>>,
     batch_credits: usize,
     batch_client_ids: Vec<(String, u64)>,
