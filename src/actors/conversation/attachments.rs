@@ -166,11 +166,11 @@ impl State {
         }
     }
 
-    pub(super) fn detach(&mut self, conn_id: ConnId, req: Option<Option<ReqId>>) {
+    pub(super) fn detach(&mut self, conn_id: ConnId, cause: DetachCause) {
         let Some(attachment) = self.remove_attachment(conn_id) else {
             return;
         };
-        if let Some(req) = req {
+        if let DetachCause::Client { req } = cause {
             attachment.conn.outbound.reply(&ServerFrame::Detached {
                 req,
                 conversation_id: self.id.to_string(),

@@ -12,12 +12,13 @@
 //! reaches the head. Replay and live delivery are the same path.
 
 mod attachments;
-
-use attachments::AttachAsk;
+mod control;
 mod history;
 mod lifecycle;
 mod store_failure;
 mod turns;
+
+use attachments::AttachAsk;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -64,8 +65,7 @@ pub enum ConversationMsg {
     },
     Detach {
         conn: ConnId,
-        /// Some for a client's `detach` (answered with `detached client`).
-        req: Option<Option<ReqId>>,
+        cause: DetachCause,
     },
     UserMessage {
         conn: ConnId,
@@ -81,6 +81,12 @@ pub enum ConversationMsg {
         req: Option<ReqId>,
     },
     StopTurn {
+        conn: ConnId,
+        req: Option<ReqId>,
+    },
+    /// A client's `close`: the conversation checks the sender's control
+    /// rights, then asks the supervisor to stop it.
+    Close {
         conn: ConnId,
         req: Option<ReqId>,
     },
@@ -141,6 +147,17 @@ impl ConversationMsg {
             _ => None,
         }
     }
+}
+
+/// Why an attachment ends on the client's side.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DetachCause {
+    /// The client sent `detach`: it is answered `detached client`, echoing
+    /// its `req`.
+    Client { req: Option<ReqId> },
+    /// The socket went away (or, in cluster mode, its node stopped naming
+    /// the route): there is nobody to answer.
+    SocketGone,
 }
 
 /// The first reply an attaching connection gets.
@@ -433,10 +450,16 @@ impl Actor for Conversation {
         message: ConversationMsg,
         state: &mut State,
     ) -> Result<(), ActorProcessingErr> {
+        if state.refuse_read_only(&message) {
+            return Ok(());
+        }
         if state.stopping.is_some() && state.refuse_while_stopping(&message) {
             return Ok(());
         }
         if state.store_failure.is_some() && state.refuse_while_store_fails(&message) {
+            return Ok(());
+        }
+        if state.refuse_unattached(&message) {
             return Ok(());
         }
         match message {
@@ -458,7 +481,7 @@ impl Actor for Conversation {
                     announce,
                 },
             ),
-            ConversationMsg::Detach { conn, req } => state.detach(conn, req),
+            ConversationMsg::Detach { conn, cause } => state.detach(conn, cause),
             ConversationMsg::UserMessage {
                 conn,
                 text,
@@ -473,19 +496,10 @@ impl Actor for Conversation {
                 req,
             } => state.tool_result(conn, call_id, output, is_error, req),
             ConversationMsg::StopTurn { conn, req } => {
-                if state.check_control(conn, &req) {
-                    state.stop_turn(&myself);
-                    state.reply_to(
-                        conn,
-                        &ServerFrame::Ack {
-                            req,
-                            conversation_id: state.id.to_string(),
-                            seq: None,
-                            duplicate: None,
-                        },
-                    );
-                }
+                state.stop_turn(&myself);
+                state.ack_now(conn, req);
             }
+            ConversationMsg::Close { conn, req } => state.close(conn, req),
             ConversationMsg::Agent(event) => state.agent_event(&myself, event),
             ConversationMsg::Committed {
                 upto,
@@ -628,29 +642,17 @@ impl State {
         }
     }
 
-    /// Whether `conn` may steer the conversation; answers the error if not.
-    fn check_control(&self, conn: ConnId, req: &Option<ReqId>) -> bool {
-        match self.attachments.get(&conn) {
-            Some(a) if a.mode == Mode::Control => true,
-            Some(a) => {
-                a.conn.outbound.reply(&ServerFrame::error(
-                    req.clone(),
-                    ErrorCode::ReadOnly,
-                    "attached in observe mode: read only",
-                    Some(self.id.to_string()),
-                ));
-                false
-            }
-            None => {
-                self.refuse(
-                    conn,
-                    req.clone(),
-                    ErrorCode::NotAttached,
-                    "not attached to this conversation; attach again".into(),
-                );
-                false
-            }
-        }
+    /// Acks a request that recorded nothing.
+    fn ack_now(&self, conn: ConnId, req: Option<ReqId>) {
+        self.reply_to(
+            conn,
+            &ServerFrame::Ack {
+                req,
+                conversation_id: self.id.to_string(),
+                seq: None,
+                duplicate: None,
+            },
+        );
     }
 
     /// Answers a client's frame with an error about this conversation.
