@@ -15,10 +15,12 @@ mod attachments;
 mod control;
 mod history;
 mod lifecycle;
+mod rule_timer;
 mod store_failure;
 mod turns;
 
 use attachments::AttachAsk;
+use rule_timer::RuleTimer;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -288,6 +290,8 @@ pub struct State {
     deferred: VecDeque<DeferredReply>,
 
     attachments: HashMap<ConnId, Attachment>,
+    /// Numbers catch-up rounds: a `CaughtUp` from a round that was since
+    /// replaced is ignored.
     next_generation: u64,
     turn: Option<Turn>,
     queue: VecDeque<QueuedMessage>,
@@ -296,11 +300,10 @@ pub struct State {
     last_activity: Instant,
     last_activity_at: String,
 
-    /// The rule timers: each is (generation, handle) while armed; the
-    /// grace timer also keeps since when nobody watches the turn, to re-arm
-    /// it for what is left when `detach_grace` changes.
-    idle_timer: Option<(u64, Timer)>,
-    grace_timer: Option<(u64, Timer, Instant)>,
+    /// The rule timers. The grace timer keeps since when nobody watches
+    /// the turn, to re-arm it for what is left when `detach_grace` changes.
+    idle_timer: RuleTimer,
+    grace_timer: RuleTimer,
     stopping: Option<StopReason>,
 
     pending_creator: Option<PendingCreator>,
@@ -372,8 +375,8 @@ impl Actor for Conversation {
             last_turn_message_seq: 0,
             last_activity: Instant::now(),
             last_activity_at: now_rfc3339(),
-            idle_timer: None,
-            grace_timer: None,
+            idle_timer: RuleTimer::default(),
+            grace_timer: RuleTimer::default(),
             stopping: None,
             pending_creator: None,
             creation_failed: None,
