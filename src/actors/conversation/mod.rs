@@ -45,7 +45,8 @@ use super::supervision_log::{NewDecision, SupervisionLog};
 use super::supervisor::SupervisorMsg;
 use crate::agent::AGENT_EVENT_CREDITS;
 use crate::agent::{
-    Agent, AgentEvent, AgentOutput, AgentSession, EventSink, SessionContext, TurnRequest,
+    Agent, AgentEvent, AgentOutput, AgentSession, EventSink, EventTarget, SessionContext,
+    TurnRequest,
 };
 use crate::config::LiveConfig;
 use crate::event::{now_rfc3339, EventData, EventRecord, StartReason, ToolTarget, TurnStatus};
@@ -327,6 +328,14 @@ pub struct State {
     gauge_turn: Option<Arc<str>>,
 }
 
+/// The agent layer's view of this actor: what a session reports arrives
+/// as a message.
+impl EventTarget for ActorRef<ConversationMsg> {
+    fn deliver(&self, event: AgentEvent) -> bool {
+        self.cast(ConversationMsg::Agent(event)).is_ok()
+    }
+}
+
 impl Actor for Conversation {
     type Msg = ConversationMsg;
     type State = State;
@@ -342,7 +351,7 @@ impl Actor for Conversation {
             conversation_id: args.id.to_string(),
             user: args.user.to_string(),
             workspace: args.workspace.clone(),
-            events: EventSink::new(myself.clone(), credits.clone()),
+            events: EventSink::new(Arc::new(myself.clone()), credits.clone()),
         });
         let buffer_cap = args.config.get().conversations.replay_buffer_events;
         let mut state = State {
