@@ -1,8 +1,10 @@
 //! The connection actor: one per websocket. It parses and validates client
-//! frames, keeps which conversations this socket is attached to (and how),
-//! and turns frames into messages to the supervisor and conversation actors.
-//! On socket loss it detaches every attachment and stops. It never blocks a
-//! conversation: replies and events reach the socket through [`Outbound`].
+//! frames and turns them into messages to the supervisor and conversation
+//! actors. Of its attachments it keeps only where to route their frames
+//! (the conversation actor per id): the conversation owns the mode and
+//! judges control rights. On socket loss it detaches every attachment and
+//! stops. It never blocks a conversation: replies and events reach the
+//! socket through [`Outbound`].
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -13,7 +15,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::Semaphore;
 use tracing::{debug, info};
 
-use super::conversation::{Announce, ConversationMsg};
+use super::conversation::{Announce, ConversationMsg, DetachCause};
 use super::outbound::Outbound;
 use super::supervisor::{
     activation_reply, create_conversation, ActivateError, Activated, SupervisorMsg, CALL_TIMEOUT,
@@ -73,11 +75,6 @@ fn rate_limiter(limits: &LimitsConfig) -> (DefaultDirectRateLimiter, (u32, u32))
     )
 }
 
-struct Attached {
-    actor: ActorRef<ConversationMsg>,
-    mode: Mode,
-}
-
 pub struct State {
     handle: ConnectionHandle,
     /// `limits.messages_per_second` with burst `limits.messages_burst`.
@@ -88,7 +85,10 @@ pub struct State {
     supervisor: ActorRef<SupervisorMsg>,
     config: LiveConfig,
     inflight: Arc<Semaphore>,
-    attachments: HashMap<Arc<str>, Attached>,
+    /// The conversation actor each attached conversation's frames go to.
+    /// Dropped on `detach`, or when the conversation detaches us
+    /// (`DetachedBy`).
+    routes: HashMap<Arc<str>, ActorRef<ConversationMsg>>,
 }
 
 impl Actor for Connection {
@@ -116,7 +116,7 @@ impl Actor for Connection {
             supervisor: args.supervisor,
             config: args.config,
             inflight: args.inflight,
-            attachments: HashMap::new(),
+            routes: HashMap::new(),
         })
     }
 
@@ -167,20 +167,15 @@ impl Actor for Connection {
                 // Only if still attached to that actor, not to a newer
                 // activation of the same conversation.
                 if state
-                    .attachments
+                    .routes
                     .get(&conversation_id)
-                    .is_some_and(|a| a.actor.get_id() == actor)
+                    .is_some_and(|route| route.get_id() == actor)
                 {
-                    state.attachments.remove(&conversation_id);
+                    state.routes.remove(&conversation_id);
                 }
             }
             ConnectionMsg::SocketClosed => {
-                for (_, attached) in state.attachments.drain() {
-                    let _ = attached.actor.cast(ConversationMsg::Detach {
-                        conn: state.handle.id,
-                        req: None,
-                    });
-                }
+                state.detach_all();
                 myself.stop(Some("socket closed".into()));
             }
         }
@@ -192,18 +187,23 @@ impl Actor for Connection {
         _myself: ActorRef<ConnectionMsg>,
         state: &mut State,
     ) -> Result<(), ActorProcessingErr> {
-        for (_, attached) in state.attachments.drain() {
-            let _ = attached.actor.cast(ConversationMsg::Detach {
-                conn: state.handle.id,
-                req: None,
-            });
-        }
+        state.detach_all();
         info!(connection = state.handle.id, user = %state.handle.user, "connection closed");
         Ok(())
     }
 }
 
 impl State {
+    /// The socket is gone: every conversation lets this connection go.
+    fn detach_all(&mut self) {
+        for (_, route) in self.routes.drain() {
+            let _ = route.cast(ConversationMsg::Detach {
+                conn: self.handle.id,
+                cause: DetachCause::SocketGone,
+            });
+        }
+    }
+
     /// A reload changed the rate limits: a fresh limiter (a full bucket)
     /// applies them from this frame on, without closing anything.
     fn follow_rate_limits(&mut self) {
@@ -258,11 +258,11 @@ impl State {
             ClientFrame::Detach {
                 req,
                 conversation_id,
-            } => match self.attachments.remove(conversation_id.as_str()) {
-                Some(attached) => {
-                    let _ = attached.actor.cast(ConversationMsg::Detach {
+            } => match self.routes.remove(conversation_id.as_str()) {
+                Some(route) => {
+                    let _ = route.cast(ConversationMsg::Detach {
                         conn: self.handle.id,
-                        req: Some(req),
+                        cause: DetachCause::Client { req },
                     });
                 }
                 None => self.error(
@@ -318,64 +318,34 @@ impl State {
                 req,
                 conversation_id,
             } => {
-                if self.check_control(&req, &conversation_id) {
-                    let _ = self.supervisor.cast(SupervisorMsg::Stop {
-                        id: conversation_id.clone(),
-                        reason: crate::protocol::StopReason::Closed,
-                        reply: None,
-                    });
-                    self.reply(&ServerFrame::Ack {
-                        req,
-                        conversation_id,
-                        seq: None,
-                        duplicate: None,
-                    });
-                }
+                let conn = self.handle.id;
+                self.steer(req, &conversation_id, |req| ConversationMsg::Close {
+                    conn,
+                    req,
+                });
             }
         }
     }
 
-    /// Answers `not_attached` or `read_only` unless this connection controls
-    /// the conversation.
-    fn check_control(&self, req: &Option<ReqId>, id: &str) -> bool {
-        match self.attachments.get(id) {
-            Some(a) if a.mode == Mode::Control => true,
-            Some(_) => {
-                self.error(
-                    req.clone(),
-                    ErrorCode::ReadOnly,
-                    "attached in observe mode: read only",
-                    id,
-                );
-                false
-            }
-            None => {
-                self.error(
-                    req.clone(),
-                    ErrorCode::NotAttached,
-                    format!("attach to {id} before sending"),
-                    id,
-                );
-                false
-            }
-        }
-    }
-
-    /// Forwards a control frame to the conversation, which replies itself.
+    /// Forwards a steering frame to the conversation, which judges the
+    /// control rights and replies itself.
     fn steer(
         &mut self,
         req: Option<ReqId>,
         id: &str,
         message: impl FnOnce(Option<ReqId>) -> ConversationMsg,
     ) {
-        if !self.check_control(&req, id) {
-            return;
-        }
-        let Some(attached) = self.attachments.get(id) else {
+        let Some(route) = self.routes.get(id) else {
+            self.error(
+                req,
+                ErrorCode::NotAttached,
+                format!("attach to {id} before sending"),
+                id,
+            );
             return;
         };
-        if attached.actor.cast(message(req.clone())).is_err() {
-            self.attachments.remove(id);
+        if route.cast(message(req.clone())).is_err() {
+            self.routes.remove(id);
             self.error(
                 req,
                 ErrorCode::NotAttached,
@@ -494,12 +464,6 @@ impl State {
             }
             return;
         }
-        self.attachments.insert(
-            activated.id,
-            Attached {
-                actor: activated.actor,
-                mode,
-            },
-        );
+        self.routes.insert(activated.id, activated.actor);
     }
 }

@@ -1,10 +1,15 @@
 //! A replay: one attachment's cursor catching up with its conversation's log.
-//! It sends `attached` (first, when it is the attach's own replay), then the
-//! events `from..=to`, from a snapshot of the replay buffer when the buffer
-//! holds them and from the store otherwise, at the pace the socket drains,
-//! then tells the conversation where it stopped. The conversation decides
-//! whether the attachment is live or needs another round. A compact replay
-//! (protocol §11) leaves out the `text_delta`s of finished turns.
+//! It sends the attach's reply (first, when it is the attach's own replay),
+//! then the events `from..=to`, from a snapshot of the replay buffer when the
+//! buffer holds them and from the store otherwise, at the pace the socket
+//! drains, then tells the conversation where it stopped. The conversation
+//! decides whether the attachment is live or needs another round. A compact
+//! replay (protocol §11) leaves out the `text_delta`s of finished turns.
+//!
+//! `attached` says where the replay starts, which only the replay learns
+//! (retention may have deleted the start of the range): the conversation
+//! hands it a [`Greeting`] with what it knows, and the frame is built here,
+//! once.
 
 use std::sync::Arc;
 
@@ -17,7 +22,7 @@ use super::connection::ConnectionHandle;
 use super::conversation::ConversationMsg;
 use super::outbound::close_code;
 use crate::event::EventRecord;
-use crate::protocol::{ErrorCode, ServerFrame};
+use crate::protocol::{ErrorCode, Mode, ReqId, ServerFrame, Status};
 use crate::store::Store;
 
 /// Events read from the store per page while replaying.
@@ -49,7 +54,59 @@ impl Compact {
     }
 }
 
-/// One replay: sends `attached` (if any), then the events `from..=to` from
+/// The first reply of an attach, as the conversation knows it at the attach.
+pub enum Greeting {
+    /// `created`, for the connection that created the conversation.
+    Created {
+        req: Option<ReqId>,
+        conversation_id: String,
+    },
+    /// `attached`, but for where the replay starts.
+    Attached(AttachedFacts),
+}
+
+/// What `attached` says that the conversation knows at the attach.
+pub struct AttachedFacts {
+    pub req: Option<ReqId>,
+    pub conversation_id: String,
+    pub status: Status,
+    pub mode: Mode,
+    pub head_seq: u64,
+    pub pending_calls: Vec<String>,
+    pub queued_messages: usize,
+    pub compact: bool,
+}
+
+impl Greeting {
+    /// The frame, once the replay knows the first seq it sends
+    /// (`replay_from`) and whether the store no longer held the ones
+    /// asked for before it (`replay_incomplete`).
+    fn frame(self, replay_from: u64, replay_incomplete: bool) -> ServerFrame {
+        match self {
+            Greeting::Created {
+                req,
+                conversation_id,
+            } => ServerFrame::Created {
+                req,
+                conversation_id,
+            },
+            Greeting::Attached(facts) => ServerFrame::Attached {
+                req: facts.req,
+                conversation_id: facts.conversation_id,
+                status: facts.status,
+                mode: facts.mode,
+                head_seq: facts.head_seq,
+                replay_from,
+                replay_incomplete,
+                pending_calls: facts.pending_calls,
+                queued_messages: facts.queued_messages,
+                compact: facts.compact,
+            },
+        }
+    }
+}
+
+/// One replay: sends the attach's reply (if any), then the events `from..=to` from
 /// the buffer snapshot or the store, at the pace the socket drains, then
 /// reports where it stopped.
 pub struct Replay {
@@ -62,15 +119,17 @@ pub struct Replay {
     pub from: u64,
     pub to: u64,
     pub from_buffer: Option<Vec<Arc<EventRecord>>>,
-    pub attached: Option<ServerFrame>,
+    /// Sent first, for the attach's own replay (later rounds have none).
+    pub greeting: Option<Greeting>,
     /// A compact replay (the attach's own, never a later catch-up).
     pub compact: Option<Compact>,
 }
 
 impl Replay {
-    pub async fn run(self) {
+    pub async fn run(mut self) {
+        let cancel = self.cancel.clone();
         let outcome = tokio::select! {
-            _ = self.cancel.cancelled() => return,
+            _ = cancel.cancelled() => return,
             outcome = self.replay() => outcome,
         };
         match outcome {
@@ -114,51 +173,36 @@ impl Replay {
             .map_err(|_| ReplayError::Closed)
     }
 
-    async fn send_attached(
-        &self,
-        attached: &Option<ServerFrame>,
-        replay_from: u64,
-        incomplete: bool,
-    ) -> Result<(), ReplayError> {
-        let Some(mut frame) = attached.clone() else {
+    /// Sends the greeting, if it has not gone yet.
+    async fn greet(&mut self, replay_from: u64, incomplete: bool) -> Result<(), ReplayError> {
+        let Some(greeting) = self.greeting.take() else {
             return Ok(());
         };
-        if let ServerFrame::Attached {
-            replay_from: from,
-            replay_incomplete,
-            ..
-        } = &mut frame
-        {
-            *from = replay_from;
-            *replay_incomplete = incomplete;
-        }
+        let frame = greeting.frame(replay_from, incomplete);
         self.send(Utf8Bytes::from(frame.to_json())).await
     }
 
-    async fn replay(&self) -> Result<u64, ReplayError> {
-        let mut next = self.from;
-        if let Some(records) = &self.from_buffer {
-            let next = next;
-            self.send_attached(&self.attached, self.from, false).await?;
-            for record in records.iter().filter(|r| r.seq >= next && r.seq <= self.to) {
+    async fn replay(&mut self) -> Result<u64, ReplayError> {
+        if let Some(records) = self.from_buffer.take() {
+            self.greet(self.from, false).await?;
+            let range = self.from..=self.to;
+            for record in records.iter().filter(|r| range.contains(&r.seq)) {
                 self.send_event(record).await?;
             }
             return Ok(self.to + 1);
         }
-        let mut announced = self.attached.is_none();
+        let mut next = self.from;
         while next <= self.to {
             let page = self
                 .store
                 .events(&self.conversation_id, next - 1, REPLAY_PAGE)
                 .await
                 .map_err(ReplayError::Store)?;
-            if !announced {
+            if self.greeting.is_some() {
                 // Retention may have deleted the start of the range.
                 let first = page.first().map(|r| r.seq).unwrap_or(self.to + 1);
                 let replay_from = first.min(self.to + 1).max(next);
-                self.send_attached(&self.attached, replay_from, replay_from > next)
-                    .await?;
-                announced = true;
+                self.greet(replay_from, replay_from > next).await?;
             }
             if page.is_empty() {
                 next = self.to + 1;
@@ -172,9 +216,8 @@ impl Replay {
                 break;
             }
         }
-        if !announced {
-            self.send_attached(&self.attached, self.from, false).await?;
-        }
+        // Nothing to replay: the greeting has not gone yet.
+        self.greet(self.from, false).await?;
         Ok(next.max(self.from))
     }
 }

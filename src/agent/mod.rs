@@ -1,7 +1,9 @@
 //! Turn runners. A conversation opens one [`AgentSession`] when it becomes
 //! active; the session runs turns in the background and reports what the
-//! agent does through an [`EventSink`] as messages to the conversation actor.
-//! Nothing here ever blocks the conversation: every call returns at once.
+//! agent does through an [`EventSink`] to an [`EventTarget`], which the
+//! conversation actor implements on its side: this layer does not know the
+//! actor's messages. Nothing here ever blocks the conversation: every call
+//! returns at once.
 
 pub mod command;
 pub mod demo;
@@ -10,11 +12,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
-use ractor::ActorRef;
 use serde_json::Value;
 use tokio::sync::Semaphore;
-
-use crate::actors::conversation::ConversationMsg;
 
 /// What an agent reports during a turn.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,13 +42,21 @@ pub struct AgentEvent {
     pub credited: bool,
 }
 
+/// Where a session's events go: its conversation. Implemented by the
+/// conversation actor's side, so that runners depend on this layer only.
+pub trait EventTarget: Send + Sync + 'static {
+    /// Hands one event over without waiting. Returns false when the
+    /// conversation is gone.
+    fn deliver(&self, event: AgentEvent) -> bool;
+}
+
 /// How a runner reports to its conversation. Each event takes a credit that
 /// the conversation returns once the event is committed, so a runner that
 /// produces faster than the store commits waits instead of growing the
 /// conversation's mailbox without bound.
 #[derive(Clone)]
 pub struct EventSink {
-    conversation: ActorRef<ConversationMsg>,
+    conversation: Arc<dyn EventTarget>,
     credits: Arc<Semaphore>,
 }
 
@@ -58,7 +65,7 @@ pub struct EventSink {
 pub const AGENT_EVENT_CREDITS: usize = 1024;
 
 impl EventSink {
-    pub fn new(conversation: ActorRef<ConversationMsg>, credits: Arc<Semaphore>) -> EventSink {
+    pub fn new(conversation: Arc<dyn EventTarget>, credits: Arc<Semaphore>) -> EventSink {
         EventSink {
             conversation,
             credits,
@@ -72,25 +79,21 @@ impl EventSink {
             Ok(permit) => permit.forget(),
             Err(_) => return false,
         }
-        self.conversation
-            .cast(ConversationMsg::Agent(AgentEvent {
-                turn_id: turn_id.clone(),
-                output,
-                credited: true,
-            }))
-            .is_ok()
+        self.conversation.deliver(AgentEvent {
+            turn_id: turn_id.clone(),
+            output,
+            credited: true,
+        })
     }
 
     /// Reports without taking a credit: for the one final event a runner's
     /// watchdog sends (a panic or an exit), which must never wait.
     pub fn emit_now(&self, turn_id: &Arc<str>, output: AgentOutput) -> bool {
-        self.conversation
-            .cast(ConversationMsg::Agent(AgentEvent {
-                turn_id: turn_id.clone(),
-                output,
-                credited: false,
-            }))
-            .is_ok()
+        self.conversation.deliver(AgentEvent {
+            turn_id: turn_id.clone(),
+            output,
+            credited: false,
+        })
     }
 }
 

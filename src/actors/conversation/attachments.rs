@@ -2,6 +2,7 @@
 //! catches a cursor up, the switch to live, and detach.
 
 use super::*;
+use crate::actors::replay::{AttachedFacts, Greeting};
 
 /// How a connection asked to attach.
 pub(super) struct AttachAsk {
@@ -53,19 +54,17 @@ impl State {
             old.cancel.cancel();
         }
         let from = last_seq.min(self.committed) + 1;
-        let attached = match announce {
-            Announce::Created => ServerFrame::Created {
+        let greeting = match announce {
+            Announce::Created => Greeting::Created {
                 req,
                 conversation_id: self.id.to_string(),
             },
-            Announce::Attached => ServerFrame::Attached {
+            Announce::Attached => Greeting::Attached(AttachedFacts {
                 req,
                 conversation_id: self.id.to_string(),
                 status: self.status(),
                 mode,
                 head_seq: self.committed,
-                replay_from: from,
-                replay_incomplete: false,
                 pending_calls: self
                     .turn
                     .as_ref()
@@ -73,7 +72,7 @@ impl State {
                     .unwrap_or_default(),
                 queued_messages: self.queue.len(),
                 compact,
-            },
+            }),
         };
         info!(conversation = %self.id, user = %self.user, connection = conn_id,
             attach_user = %conn.user, mode = mode.as_str(), last_seq, head_seq = self.committed, "attached");
@@ -96,7 +95,7 @@ impl State {
         let compact = (compact && announce == Announce::Attached).then(|| Compact {
             running_turn: self.turn.as_ref().map(|t| t.id.clone()),
         });
-        self.spawn_catch_up(myself, conn_id, from, Some(attached), compact);
+        self.spawn_catch_up(myself, conn_id, from, Some(greeting), compact);
     }
 
     /// Starts (or restarts) a replay task for one attachment from `from` up
@@ -106,7 +105,7 @@ impl State {
         myself: &ActorRef<ConversationMsg>,
         conn_id: ConnId,
         from: u64,
-        attached: Option<ServerFrame>,
+        greeting: Option<Greeting>,
         compact: Option<Compact>,
     ) {
         self.next_generation += 1;
@@ -123,7 +122,7 @@ impl State {
         };
         attachment.cursor = Cursor::CatchingUp;
         attachment.generation = generation;
-        if attached.is_some() && from <= to {
+        if greeting.is_some() && from <= to {
             m::replay(if from_buffer.is_some() {
                 "buffer"
             } else {
@@ -140,7 +139,7 @@ impl State {
             from,
             to,
             from_buffer,
-            attached,
+            greeting,
             compact,
         };
         tokio::spawn(job.run());
@@ -166,11 +165,11 @@ impl State {
         }
     }
 
-    pub(super) fn detach(&mut self, conn_id: ConnId, req: Option<Option<ReqId>>) {
+    pub(super) fn detach(&mut self, conn_id: ConnId, cause: DetachCause) {
         let Some(attachment) = self.remove_attachment(conn_id) else {
             return;
         };
-        if let Some(req) = req {
+        if let DetachCause::Client { req } = cause {
             attachment.conn.outbound.reply(&ServerFrame::Detached {
                 req,
                 conversation_id: self.id.to_string(),

@@ -13,6 +13,20 @@ fn round_ms(d: Duration) -> Duration {
     Duration::from_millis(d.as_millis() as u64)
 }
 
+/// Arms `timer` to send this actor `message(generation)` after `wait`.
+fn arm(
+    timer: &mut RuleTimer,
+    myself: &ActorRef<ConversationMsg>,
+    since: Instant,
+    wait: Duration,
+    message: fn(u64) -> ConversationMsg,
+) {
+    let cell = myself.get_cell();
+    timer.arm(since, |generation| {
+        ractor::time::send_after(wait, cell, move || message(generation)).abort_handle()
+    });
+}
+
 impl State {
     /// Ends the turn, records `agent_stopped`, and waits for the commit
     /// before detaching everyone and stopping (`finish_stop`).
@@ -66,12 +80,8 @@ impl State {
     }
 
     pub(super) fn cancel_timers(&mut self) {
-        if let Some((_, t)) = self.idle_timer.take() {
-            t.abort();
-        }
-        if let Some((_, t, _)) = self.grace_timer.take() {
-            t.abort();
-        }
+        self.idle_timer.disarm();
+        self.grace_timer.disarm();
     }
 
     /// The idle close delay: the conversation's own (capped by
@@ -92,11 +102,8 @@ impl State {
         if self.stopping.is_some() {
             return;
         }
-        if let Some((_, t)) = self.idle_timer.take() {
-            t.abort();
-        }
-        if let Some((_, t, since)) = self.grace_timer.take() {
-            t.abort();
+        self.idle_timer.disarm();
+        if let Some(since) = self.grace_timer.disarm() {
             self.arm_grace(myself, since);
         }
         self.arm_turn_timeout(myself);
@@ -104,18 +111,15 @@ impl State {
     }
 
     fn arm_grace(&mut self, myself: &ActorRef<ConversationMsg>, since: Instant) {
-        self.next_generation += 1;
-        let generation = self.next_generation;
         let wait = self
             .config
             .get()
             .conversations
             .detach_grace
             .saturating_sub(since.elapsed());
-        let handle = ractor::time::send_after(wait, myself.get_cell(), move || {
+        arm(&mut self.grace_timer, myself, since, wait, |generation| {
             ConversationMsg::DetachGraceOver { generation }
         });
-        self.grace_timer = Some((generation, handle, since));
     }
 
     /// (Re-)arms the running turn's timeout for what is left of
@@ -137,32 +141,29 @@ impl State {
     /// One timer per rule per conversation, owned here: no global scan.
     pub(super) fn rearm_timers(&mut self, myself: &ActorRef<ConversationMsg>) {
         let detached_turn = self.turn.is_some() && self.attachments.is_empty();
-        match (&self.grace_timer, detached_turn) {
-            (None, true) => self.arm_grace(myself, Instant::now()),
-            (Some(_), false) => {
-                if let Some((_, t, _)) = self.grace_timer.take() {
-                    t.abort();
-                }
+        match (self.grace_timer.is_armed(), detached_turn) {
+            (false, true) => self.arm_grace(myself, Instant::now()),
+            (true, false) => {
+                self.grace_timer.disarm();
             }
             _ => {}
         }
         let idle = self.is_idle_detached();
-        match (&self.idle_timer, idle) {
-            (None, true) => {
-                self.next_generation += 1;
-                let generation = self.next_generation;
+        match (self.idle_timer.is_armed(), idle) {
+            (false, true) => {
                 let wait = self
                     .close_delay()
                     .saturating_sub(self.last_activity.elapsed());
-                let handle = ractor::time::send_after(wait, myself.get_cell(), move || {
-                    ConversationMsg::IdleCheck { generation }
-                });
-                self.idle_timer = Some((generation, handle));
+                arm(
+                    &mut self.idle_timer,
+                    myself,
+                    self.last_activity,
+                    wait,
+                    |generation| ConversationMsg::IdleCheck { generation },
+                );
             }
-            (Some(_), false) => {
-                if let Some((_, t)) = self.idle_timer.take() {
-                    t.abort();
-                }
+            (true, false) => {
+                self.idle_timer.disarm();
             }
             _ => {}
         }
@@ -212,14 +213,9 @@ impl State {
         myself: &ActorRef<ConversationMsg>,
         generation: u64,
     ) {
-        if self
-            .grace_timer
-            .as_ref()
-            .is_none_or(|(g, _, _)| *g != generation)
-        {
+        if !self.grace_timer.fire(generation) {
             return;
         }
-        self.grace_timer = None;
         if self.turn.is_some() && self.attachments.is_empty() {
             let grace = humantime::format_duration(self.config.get().conversations.detach_grace);
             info!(conversation = %self.id, user = %self.user,
@@ -246,14 +242,9 @@ impl State {
     /// The idle timer ran out: if still idle and detached, ask the
     /// supervisor (which decides stops) to close it.
     pub(super) fn on_idle_check(&mut self, generation: u64) {
-        if self
-            .idle_timer
-            .as_ref()
-            .is_none_or(|(g, _)| *g != generation)
-        {
+        if !self.idle_timer.fire(generation) {
             return;
         }
-        self.idle_timer = None;
         let idle_for = self.last_activity.elapsed();
         let close_delay = self.close_delay();
         if self.is_idle_detached() && idle_for >= close_delay {

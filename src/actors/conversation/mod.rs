@@ -12,12 +12,15 @@
 //! reaches the head. Replay and live delivery are the same path.
 
 mod attachments;
-
-use attachments::AttachAsk;
+mod control;
 mod history;
 mod lifecycle;
+mod rule_timer;
 mod store_failure;
 mod turns;
+
+use attachments::AttachAsk;
+use rule_timer::RuleTimer;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -42,7 +45,8 @@ use super::supervision_log::{NewDecision, SupervisionLog};
 use super::supervisor::SupervisorMsg;
 use crate::agent::AGENT_EVENT_CREDITS;
 use crate::agent::{
-    Agent, AgentEvent, AgentOutput, AgentSession, EventSink, SessionContext, TurnRequest,
+    Agent, AgentEvent, AgentOutput, AgentSession, EventSink, EventTarget, SessionContext,
+    TurnRequest,
 };
 use crate::config::LiveConfig;
 use crate::event::{now_rfc3339, EventData, EventRecord, StartReason, ToolTarget, TurnStatus};
@@ -64,8 +68,7 @@ pub enum ConversationMsg {
     },
     Detach {
         conn: ConnId,
-        /// Some for a client's `detach` (answered with `detached client`).
-        req: Option<Option<ReqId>>,
+        cause: DetachCause,
     },
     UserMessage {
         conn: ConnId,
@@ -81,6 +84,12 @@ pub enum ConversationMsg {
         req: Option<ReqId>,
     },
     StopTurn {
+        conn: ConnId,
+        req: Option<ReqId>,
+    },
+    /// A client's `close`: the conversation checks the sender's control
+    /// rights, then asks the supervisor to stop it.
+    Close {
         conn: ConnId,
         req: Option<ReqId>,
     },
@@ -141,6 +150,17 @@ impl ConversationMsg {
             _ => None,
         }
     }
+}
+
+/// Why an attachment ends on the client's side.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DetachCause {
+    /// The client sent `detach`: it is answered `detached client`, echoing
+    /// its `req`.
+    Client { req: Option<ReqId> },
+    /// The socket went away (or, in cluster mode, its node stopped naming
+    /// the route): there is nobody to answer.
+    SocketGone,
 }
 
 /// The first reply an attaching connection gets.
@@ -272,6 +292,8 @@ pub struct State {
     deferred: VecDeque<DeferredReply>,
 
     attachments: HashMap<ConnId, Attachment>,
+    /// Numbers catch-up rounds: a `CaughtUp` from a round that was since
+    /// replaced is ignored.
     next_generation: u64,
     turn: Option<Turn>,
     queue: VecDeque<QueuedMessage>,
@@ -280,11 +302,10 @@ pub struct State {
     last_activity: Instant,
     last_activity_at: String,
 
-    /// The rule timers: each is (generation, handle) while armed; the
-    /// grace timer also keeps since when nobody watches the turn, to re-arm
-    /// it for what is left when `detach_grace` changes.
-    idle_timer: Option<(u64, Timer)>,
-    grace_timer: Option<(u64, Timer, Instant)>,
+    /// The rule timers. The grace timer keeps since when nobody watches
+    /// the turn, to re-arm it for what is left when `detach_grace` changes.
+    idle_timer: RuleTimer,
+    grace_timer: RuleTimer,
     stopping: Option<StopReason>,
 
     pending_creator: Option<PendingCreator>,
@@ -308,6 +329,14 @@ pub struct State {
     gauge_turn: Option<Arc<str>>,
 }
 
+/// The agent layer's view of this actor: what a session reports arrives
+/// as a message.
+impl EventTarget for ActorRef<ConversationMsg> {
+    fn deliver(&self, event: AgentEvent) -> bool {
+        self.cast(ConversationMsg::Agent(event)).is_ok()
+    }
+}
+
 impl Actor for Conversation {
     type Msg = ConversationMsg;
     type State = State;
@@ -323,7 +352,7 @@ impl Actor for Conversation {
             conversation_id: args.id.to_string(),
             user: args.user.to_string(),
             workspace: args.workspace.clone(),
-            events: EventSink::new(myself.clone(), credits.clone()),
+            events: EventSink::new(Arc::new(myself.clone()), credits.clone()),
         });
         let buffer_cap = args.config.get().conversations.replay_buffer_events;
         let mut state = State {
@@ -356,8 +385,8 @@ impl Actor for Conversation {
             last_turn_message_seq: 0,
             last_activity: Instant::now(),
             last_activity_at: now_rfc3339(),
-            idle_timer: None,
-            grace_timer: None,
+            idle_timer: RuleTimer::default(),
+            grace_timer: RuleTimer::default(),
             stopping: None,
             pending_creator: None,
             creation_failed: None,
@@ -434,10 +463,16 @@ impl Actor for Conversation {
         message: ConversationMsg,
         state: &mut State,
     ) -> Result<(), ActorProcessingErr> {
+        if state.refuse_read_only(&message) {
+            return Ok(());
+        }
         if state.stopping.is_some() && state.refuse_while_stopping(&message) {
             return Ok(());
         }
         if state.store_failure.is_some() && state.refuse_while_store_fails(&message) {
+            return Ok(());
+        }
+        if state.refuse_unattached(&message) {
             return Ok(());
         }
         match message {
@@ -459,7 +494,7 @@ impl Actor for Conversation {
                     announce,
                 },
             ),
-            ConversationMsg::Detach { conn, req } => state.detach(conn, req),
+            ConversationMsg::Detach { conn, cause } => state.detach(conn, cause),
             ConversationMsg::UserMessage {
                 conn,
                 text,
@@ -474,19 +509,10 @@ impl Actor for Conversation {
                 req,
             } => state.tool_result(conn, call_id, output, is_error, req),
             ConversationMsg::StopTurn { conn, req } => {
-                if state.check_control(conn, &req) {
-                    state.stop_turn(&myself);
-                    state.reply_to(
-                        conn,
-                        &ServerFrame::Ack {
-                            req,
-                            conversation_id: state.id.to_string(),
-                            seq: None,
-                            duplicate: None,
-                        },
-                    );
-                }
+                state.stop_turn(&myself);
+                state.ack_now(conn, req);
             }
+            ConversationMsg::Close { conn, req } => state.close(conn, req),
             ConversationMsg::Agent(event) => state.agent_event(&myself, event),
             ConversationMsg::Committed {
                 upto,
@@ -629,29 +655,17 @@ impl State {
         }
     }
 
-    /// Whether `conn` may steer the conversation; answers the error if not.
-    fn check_control(&self, conn: ConnId, req: &Option<ReqId>) -> bool {
-        match self.attachments.get(&conn) {
-            Some(a) if a.mode == Mode::Control => true,
-            Some(a) => {
-                a.conn.outbound.reply(&ServerFrame::error(
-                    req.clone(),
-                    ErrorCode::ReadOnly,
-                    "attached in observe mode: read only",
-                    Some(self.id.to_string()),
-                ));
-                false
-            }
-            None => {
-                self.refuse(
-                    conn,
-                    req.clone(),
-                    ErrorCode::NotAttached,
-                    "not attached to this conversation; attach again".into(),
-                );
-                false
-            }
-        }
+    /// Acks a request that recorded nothing.
+    fn ack_now(&self, conn: ConnId, req: Option<ReqId>) {
+        self.reply_to(
+            conn,
+            &ServerFrame::Ack {
+                req,
+                conversation_id: self.id.to_string(),
+                seq: None,
+                duplicate: None,
+            },
+        );
     }
 
     /// Answers a client's frame with an error about this conversation.

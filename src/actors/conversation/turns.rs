@@ -1,5 +1,7 @@
 //! Turns: user messages and their queue, idempotency by `client_msg_id`,
 //! starting and ending turns, client tool calls and what the agent reports.
+//! A client's request reaches these handlers only from a controller: its
+//! rights are judged before (`control.rs`).
 
 use super::*;
 
@@ -12,9 +14,6 @@ impl State {
         client_msg_id: Option<String>,
         req: Option<ReqId>,
     ) {
-        if !self.check_control(conn, &req) {
-            return;
-        }
         if let Some(seq) = client_msg_id
             .as_ref()
             .and_then(|id| self.seen_msg_ids.get(id))
@@ -132,9 +131,6 @@ impl State {
         is_error: bool,
         req: Option<ReqId>,
     ) {
-        if !self.check_control(conn, &req) {
-            return;
-        }
         let pending = self.turn.as_mut().and_then(|t| {
             let index = t.pending_calls.iter().position(|c| *c == call_id)?;
             t.pending_calls.remove(index);

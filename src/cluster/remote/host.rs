@@ -20,10 +20,12 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::wire::{Alive, AttachReply, AttachRequest, Command, RouteCommand, StopRequest};
+use super::wire::{
+    detach_cause, Alive, AttachReply, AttachRequest, Command, RouteCommand, StopRequest,
+};
 use super::{Subjects, COUNTER, KEEPALIVE_EVERY, ROUTE_TIMEOUT};
 use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
-use crate::actors::conversation::{Announce, ConversationMsg};
+use crate::actors::conversation::{Announce, ConversationMsg, DetachCause};
 use crate::actors::outbound::{self, Outbound, OutboundReceiver};
 use crate::actors::supervisor::{ActivateError, SupervisorMsg, CALL_TIMEOUT};
 use crate::config::LiveConfig;
@@ -270,7 +272,11 @@ impl Host {
                 req,
             },
             Command::Stop { req } => ConversationMsg::StopTurn { conn, req },
-            Command::Detach { req } => ConversationMsg::Detach { conn, req },
+            Command::Close { req } => ConversationMsg::Close { conn, req },
+            Command::Detach { req } => ConversationMsg::Detach {
+                conn,
+                cause: detach_cause(req),
+            },
         };
         let _ = route.conversation.cast(message);
         if let Some(route) = gone_socket.then(|| routes.remove(&command.route)).flatten() {
@@ -313,7 +319,7 @@ impl Host {
                     "remote attachment's node went silent: detaching it");
                 let _ = route.conversation.cast(ConversationMsg::Detach {
                     conn: route.conn,
-                    req: None,
+                    cause: DetachCause::SocketGone,
                 });
                 route
                     .outbound

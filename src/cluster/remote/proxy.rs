@@ -27,7 +27,7 @@ use super::wire::{
 };
 use super::{Subjects, COUNTER, KEEPALIVE_EVERY};
 use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
-use crate::actors::conversation::ConversationMsg;
+use crate::actors::conversation::{ConversationMsg, DetachCause};
 use crate::actors::outbound::close_code;
 use crate::cluster::lease::Leases;
 use crate::protocol::{DetachReason, ErrorCode, Mode, ReqId, ServerFrame};
@@ -127,9 +127,9 @@ impl Actor for RemoteConversation {
                 req,
                 ..
             } => state.attach(&myself, conn, mode, last_seq, compact, req),
-            ConversationMsg::Detach { conn, req } => {
-                let socket_gone = req.is_none();
-                state.command(conn, Command::Detach { req });
+            ConversationMsg::Detach { conn, cause } => {
+                let socket_gone = cause == DetachCause::SocketGone;
+                state.command(conn, Command::detach(cause));
                 if let Some(link) = state.links.get_mut(&conn) {
                     if socket_gone {
                         link.task.abort();
@@ -168,6 +168,7 @@ impl Actor for RemoteConversation {
                 },
             ),
             ConversationMsg::StopTurn { conn, req } => state.command(conn, Command::Stop { req }),
+            ConversationMsg::Close { conn, req } => state.command(conn, Command::Close { req }),
             ConversationMsg::Shutdown { reason } => {
                 state.detach_all(&myself, reason.detach_reason());
             }
@@ -215,7 +216,7 @@ impl State {
     ) {
         if let Some(old) = self.links.remove(&conn.id) {
             old.task.abort();
-            self.send_command(&old.route, Command::Detach { req: None });
+            self.send_command(&old.route, Command::detach(DetachCause::SocketGone));
         }
         self.next_route += 1;
         let route = format!("{}_{}_{}", self.args.node, conn.id, self.next_route);
@@ -355,7 +356,7 @@ impl State {
         for link in links {
             link.task.abort();
             if !link.detaching.load(Ordering::Relaxed) {
-                self.send_command(&link.route, Command::Detach { req: None });
+                self.send_command(&link.route, Command::detach(DetachCause::SocketGone));
                 link.conn.outbound.reply(&ServerFrame::Detached {
                     req: None,
                     conversation_id: self.args.id.to_string(),

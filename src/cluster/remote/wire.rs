@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::actors::conversation::DetachCause;
 use crate::protocol::{ErrorCode, Mode, ReqId};
 
 /// A socket node asks the owner to attach one of its connections.
@@ -58,11 +59,35 @@ pub enum Command {
     Stop {
         req: Option<ReqId>,
     },
+    /// A controller's `close` (the owner judges the rights).
+    Close {
+        req: Option<ReqId>,
+    },
     /// `req` is `Some` for a client's `detach` (answered `detached
     /// client`), `None` when the socket went away.
     Detach {
         req: Option<Option<ReqId>>,
     },
+}
+
+impl Command {
+    /// A detach as it travels between nodes (the wire keeps its old shape).
+    pub fn detach(cause: DetachCause) -> Command {
+        Command::Detach {
+            req: match cause {
+                DetachCause::Client { req } => Some(req),
+                DetachCause::SocketGone => None,
+            },
+        }
+    }
+}
+
+/// A detach from another node, as the conversation takes it.
+pub fn detach_cause(req: Option<Option<ReqId>>) -> DetachCause {
+    match req {
+        Some(req) => DetachCause::Client { req },
+        None => DetachCause::SocketGone,
+    }
 }
 
 /// The routes a socket node still holds with one owner.
