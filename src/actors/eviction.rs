@@ -289,6 +289,7 @@ mod tests {
         let remote = Candidate::from(Activity {
             conversation: "c2".into(),
             node: "n2".into(),
+            incarnation: "i2".into(),
             running: true,
             attached: false,
             last_activity_us: 7,
