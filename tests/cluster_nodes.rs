@@ -799,6 +799,36 @@ async fn reject_mode_counts_every_node() {
     );
 }
 
+/// The message refused while NATS was down is in no history.
+fn assert_not_recorded(history: &[Value]) {
+    assert!(
+        !history
+            .iter()
+            .any(|e| kind(e) == "user_message" && e["data"]["text"] == "while down"),
+        "a refused message was recorded: {history:#?}"
+    );
+}
+
+/// Creates a conversation and runs one turn ("before") to its end.
+async fn created_with_a_turn(client: &mut Client) -> String {
+    let id = client.create().await;
+    client.send_message(&id, "before").await;
+    client.events_until_turn_finished(&id).await;
+    id
+}
+
+/// Sends "while down" while NATS is stopped: it must be refused
+/// `store_unavailable` at once, never acked.
+async fn assert_refused_while_down(client: &mut Client, id: &str) {
+    let refused = client
+        .request(
+            serde_json::json!({"type": "message", "conversation_id": id, "text": "while down"}),
+        )
+        .await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["code"], "store_unavailable", "{refused}");
+}
+
 /// Sends a message until it is acked: while the store recovers, only
 /// `store_unavailable` refusals are allowed, and only until `deadline`.
 async fn send_until_accepted(
@@ -827,18 +857,10 @@ async fn send_until_accepted(
 async fn nats_gone_is_store_unavailable_then_service_resumes() {
     let mut cluster = Cluster::start(1).await;
     let mut client = cluster.nodes[0].connect(USER).await;
-    let id = client.create().await;
-    client.send_message(&id, "before").await;
-    client.events_until_turn_finished(&id).await;
+    let id = created_with_a_turn(&mut client).await;
 
     cluster.nats.stop_all();
-    let refused = client
-        .request(
-            serde_json::json!({"type": "message", "conversation_id": id, "text": "while down"}),
-        )
-        .await;
-    assert_eq!(refused["type"], "error", "{refused}");
-    assert_eq!(refused["code"], "store_unavailable", "{refused}");
+    assert_refused_while_down(&mut client, &id).await;
     let (status, body) = cluster.nodes[0].server.get("/healthz", None).await;
     assert_eq!(status, 503, "{body}");
 
@@ -867,12 +889,7 @@ async fn nats_gone_is_store_unavailable_then_service_resumes() {
         })
         .await;
     assert_contiguous(&history, 1);
-    assert!(
-        !history
-            .iter()
-            .any(|e| kind(e) == "user_message" && e["data"]["text"] == "while down"),
-        "a refused message was recorded: {history:#?}"
-    );
+    assert_not_recorded(&history);
 }
 
 /// Protocol §10: one of three NATS servers lost, the service goes on (the
@@ -884,9 +901,7 @@ async fn one_nats_server_of_three_lost_the_service_goes_on() {
     // Appended to the nodes' [cluster] table.
     let mut cluster = Cluster::start_on(serial, nats, 2, "replicas = 3\n");
     let mut on_a = cluster.nodes[0].connect(USER).await;
-    let id = on_a.create().await;
-    on_a.send_message(&id, "before").await;
-    on_a.events_until_turn_finished(&id).await;
+    let id = created_with_a_turn(&mut on_a).await;
 
     cluster.nats.kill(0);
     let mut on_b = cluster.nodes[1].connect(USER).await;
@@ -977,4 +992,110 @@ async fn the_admin_list_names_the_owning_node() {
     let (status, listed) = b.server.get("/v1/admin/conversations", Some("ops")).await;
     assert_eq!(status, 200, "{listed}");
     assert_eq!(listed, serde_json::json!([]), "node {} owns nothing", b.id);
+}
+
+/// §11 through another node: a compact attach on a node that does not own
+/// the conversation leaves out the finished turn's `text_delta`s only,
+/// sends the running turn whole, says `compact: true`, and goes on live
+/// without a gap, exactly as the owner would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compact_attach_through_another_node() {
+    let cluster = Cluster::start(2).await;
+    let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let mut on_a = a.connect(USER).await;
+    let id = on_a.create().await;
+    on_a.send_message(&id, "/stream 40 0").await;
+    on_a.events_until_turn_finished(&id).await;
+    on_a.send_message(&id, LONG_TURN).await;
+    on_a.events_until_kind(&id, "text_delta").await;
+
+    let mut on_b = b.connect(USER).await;
+    let attached = on_b
+        .request(serde_json::json!({
+            "type": "attach", "conversation_id": id, "last_seq": 0, "compact": true
+        }))
+        .await;
+    assert_eq!(attached["type"], "attached", "{attached}");
+    assert_eq!(attached["compact"], true, "{attached}");
+    let head = attached["head_seq"].as_u64().expect("a head_seq");
+    let history = a.history(&id).await;
+    let finished_turn = history
+        .iter()
+        .find(|e| is_event(e, "turn_started"))
+        .map(|e| e["data"]["turn_id"].clone())
+        .expect("the first turn");
+    let expected = common::compact_of(&history, head, &finished_turn);
+    assert!(
+        expected.len() < head as usize,
+        "the finished turn had deltas"
+    );
+    let replay = on_b.events(&id, expected.len()).await;
+    for (got, want) in replay.iter().zip(&expected) {
+        assert_eq!(got, *want, "the compact replay through B differs");
+    }
+    assert!(
+        replay
+            .iter()
+            .any(|e| kind(e) == "text_delta" && e["data"]["turn_id"] != finished_turn),
+        "the running turn's deltas are sent"
+    );
+    let live = on_b.events(&id, 5).await;
+    assert_contiguous(&live, head + 1);
+}
+
+/// §10.6 through another node: with NATS gone, a message sent on a node
+/// that does not own the conversation is refused `store_unavailable` (the
+/// owner cannot be reached and nothing can be recorded), never acked; once
+/// NATS is back the same client's message is acked and runs, seq
+/// contiguous, and the refused one is in no history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_gone_refuses_a_message_sent_through_another_node() {
+    let mut cluster = Cluster::start(2).await;
+    let mut on_a = cluster.nodes[0].connect(USER).await;
+    let id = created_with_a_turn(&mut on_a).await;
+    let mut on_b = cluster.nodes[1].connect(USER).await;
+    let (attached, _) = resume(&mut on_b, &id, 0).await;
+    assert_eq!(attached["status"], "idle", "{attached}");
+
+    cluster.nats.stop_all();
+    assert_refused_while_down(&mut on_b, &id).await;
+
+    cluster.nats.start_all().await;
+    // B may have been told its attachment moved while NATS was away: a
+    // client then attaches again, as §10 says.
+    let deadline = Instant::now() + RECV_TIMEOUT;
+    let ack = loop {
+        let reply = on_b
+            .request(serde_json::json!({"type": "message", "conversation_id": id, "text": "after"}))
+            .await;
+        if reply["type"] == "ack" {
+            break reply;
+        }
+        assert!(
+            reply["code"] == "store_unavailable" || reply["code"] == "not_attached",
+            "{reply}"
+        );
+        assert!(Instant::now() < deadline, "still refused: {reply}");
+        if reply["code"] == "not_attached" {
+            let again = on_b
+                .request(
+                    serde_json::json!({"type": "attach", "conversation_id": id, "last_seq": 0}),
+                )
+                .await;
+            assert!(
+                again["type"] == "attached" || again["code"] == "store_unavailable",
+                "{again}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let message_seq = ack["seq"].as_u64().expect("a seq");
+    let (history, _) = cluster.nodes[1]
+        .wait_for_history(&id, "the turn after NATS came back", RECV_TIMEOUT, |h| {
+            h.iter()
+                .any(|e| kind(e) == "turn_finished" && seq(e) > message_seq)
+        })
+        .await;
+    assert_contiguous(&history, 1);
+    assert_not_recorded(&history);
 }

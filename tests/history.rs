@@ -311,11 +311,7 @@ async fn a_compact_replay_leaves_out_finished_turns_deltas_only() {
             .find(|e| is_event(e, "turn_started"))
             .map(|e| e["data"]["turn_id"].clone())
             .unwrap();
-        let expected: Vec<&Value> = stored
-            .iter()
-            .filter(|e| seq(e) <= head)
-            .filter(|e| !(kind(e) == "text_delta" && e["data"]["turn_id"] == finished_turn))
-            .collect();
+        let expected = common::compact_of(&stored, head, &finished_turn);
         assert!(
             expected.len() < head as usize,
             "the finished turn had deltas"

@@ -702,3 +702,13 @@ pub async fn run_client(
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
 }
+
+/// Protocol §11: what a compact replay up to `head` sends of `stored`
+/// (every event but the `text_delta`s of the turn `finished`).
+pub fn compact_of<'a>(stored: &'a [Value], head: u64, finished: &Value) -> Vec<&'a Value> {
+    stored
+        .iter()
+        .filter(|e| seq(e) <= head)
+        .filter(|e| !(kind(e) == "text_delta" && e["data"]["turn_id"] == *finished))
+        .collect()
+}

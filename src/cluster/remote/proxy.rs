@@ -274,6 +274,20 @@ impl State {
         if link.detaching.load(Ordering::Relaxed) {
             return;
         }
+        // Cut off from NATS, a command would wait in the client's buffer
+        // with its sender hearing nothing; nothing can be recorded anyway
+        // (protocol §10.6), so it is refused here and now.
+        if let Some(req) = command.recording_request() {
+            if self.args.client.connection_state() != async_nats::connection::State::Connected {
+                link.conn.outbound.reply(&ServerFrame::error(
+                    req.cloned(),
+                    ErrorCode::StoreUnavailable,
+                    "NATS cannot be reached from this node: nothing was recorded; retry",
+                    Some(self.args.id.to_string()),
+                ));
+                return;
+            }
+        }
         match &mut link.waiting {
             Some(waiting) => waiting.push(command),
             None => {

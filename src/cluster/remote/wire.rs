@@ -71,6 +71,18 @@ pub enum Command {
 }
 
 impl Command {
+    /// The request of a command that asks the owner to record something
+    /// (`None` for a detach, which records nothing).
+    pub fn recording_request(&self) -> Option<Option<&ReqId>> {
+        match self {
+            Command::Message { req, .. }
+            | Command::ToolResult { req, .. }
+            | Command::Stop { req }
+            | Command::Close { req } => Some(req.as_ref()),
+            Command::Detach { .. } => None,
+        }
+    }
+
     /// A detach as it travels between nodes (the wire keeps its old shape).
     pub fn detach(cause: DetachCause) -> Command {
         Command::Detach {
