@@ -119,14 +119,16 @@ impl Leases {
         self.seen.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn value(&self, term: u64) -> Result<bytes::Bytes, ClusterError> {
-        serde_json::to_vec(&Holder {
+    /// This process's record with `term`, and its encoding.
+    fn record(&self, term: u64) -> Result<(Holder, bytes::Bytes), ClusterError> {
+        let holder = Holder {
             node: self.node().to_owned(),
             incarnation: self.liveness.incarnation().to_owned(),
             term,
-        })
-        .map(Into::into)
-        .map_err(|e| ClusterError::Corrupt(e.to_string()))
+        };
+        let value =
+            serde_json::to_vec(&holder).map_err(|e| ClusterError::Corrupt(e.to_string()))?;
+        Ok((holder, value.into()))
     }
 
     /// Whether `holder` is this very process.
@@ -181,7 +183,7 @@ impl Leases {
         orphan: Option<u64>,
     ) -> Result<Lease, ClusterError> {
         check_token(conversation)?;
-        let value = self.value(term)?;
+        let (holder, value) = self.record(term)?;
         let written = with_deadline(
             self.cluster.options.op_timeout,
             "writing an ownership record",
@@ -217,9 +219,7 @@ impl Leases {
                 holder: String::new(),
             });
         };
-        if let Ok(holder) = serde_json::from_slice::<Holder>(&value) {
-            self.note(conversation, Some((holder, revision)));
-        }
+        self.note_written(conversation, holder, revision);
         Ok(Lease {
             conversation: conversation.to_owned(),
             term,
@@ -250,31 +250,25 @@ impl Leases {
             },
         )
         .await?;
-        let mut seen = self.seen();
-        if seen
-            .get(&lease.conversation)
-            .is_some_and(|(_, r)| *r <= lease.revision)
-        {
-            seen.remove(&lease.conversation);
-        }
+        self.note_removed(&lease.conversation, lease.revision);
         Ok(())
     }
 
-    fn note(&self, conversation: &str, now: Option<(Holder, u64)>) {
+    /// Our own writes and the watch's both update the view; whichever
+    /// comes second must not undo a later one, hence the revisions.
+    fn note_written(&self, conversation: &str, holder: Holder, revision: u64) {
         let mut seen = self.seen();
-        let newer = seen
-            .get(conversation)
-            .is_none_or(|(_, r)| now.as_ref().is_none_or(|(_, n)| n > r));
-        if !newer {
-            return;
+        if seen.get(conversation).is_none_or(|(_, r)| revision > *r) {
+            seen.insert(conversation.to_owned(), (holder, revision));
         }
-        match now {
-            Some(record) => {
-                seen.insert(conversation.to_owned(), record);
-            }
-            None => {
-                seen.remove(conversation);
-            }
+    }
+
+    /// Forgets the record if what the view has was written at or before
+    /// `revision`.
+    fn note_removed(&self, conversation: &str, revision: u64) {
+        let mut seen = self.seen();
+        if seen.get(conversation).is_some_and(|(_, r)| *r <= revision) {
+            seen.remove(conversation);
         }
     }
 
@@ -304,17 +298,11 @@ impl Leases {
                 Operation::Put => {
                     if let Ok(holder) = serde_json::from_slice::<Holder>(&entry.value) {
                         claimed(&entry.key, &holder, entry.revision);
-                        self.note(&entry.key, Some((holder, entry.revision)));
+                        self.note_written(&entry.key, holder, entry.revision);
                     }
                 }
                 Operation::Delete | Operation::Purge => {
-                    let mut seen = self.seen();
-                    if seen
-                        .get(&entry.key)
-                        .is_some_and(|(_, r)| *r < entry.revision)
-                    {
-                        seen.remove(&entry.key);
-                    }
+                    self.note_removed(&entry.key, entry.revision)
                 }
             }
             Ok(())
