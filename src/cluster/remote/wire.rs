@@ -39,6 +39,9 @@ pub enum AttachReply {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct RouteCommand {
     pub route: String,
+    /// The command's number on its route: 1, 2, 3, ... A gap means one was
+    /// lost between the nodes.
+    pub n: u64,
     pub command: Command,
 }
 
@@ -105,7 +108,22 @@ pub fn detach_cause(req: Option<Option<ReqId>>) -> DetachCause {
 /// The routes a socket node still holds with one owner.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Alive {
-    pub routes: Vec<String>,
+    /// The socket's node, where the owner answers about a route it no
+    /// longer has.
+    pub node: String,
+    pub routes: Vec<AliveRoute>,
+}
+
+/// One route as its socket node sees it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AliveRoute {
+    pub route: String,
+    /// The owner answered the attach: from then on a route it does not
+    /// know is one it ended (or lost).
+    pub attached: bool,
+    /// How many commands were published on the route: more than the owner
+    /// received means the last ones were lost.
+    pub commands: u64,
 }
 
 /// Stop a conversation on its owner (`close`, delete, the user's limit).
