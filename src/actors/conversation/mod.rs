@@ -157,8 +157,10 @@ impl ConversationMsg {
     }
 }
 
-/// Why an attachment ends on the client's side.
-#[derive(Debug, Clone, PartialEq)]
+/// Why an attachment ends on the client's side. In cluster mode it travels
+/// as it is from the socket's node to the owner (`cluster/remote/wire.rs`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DetachCause {
     /// The client sent `detach`: it is answered `detached client`, echoing
     /// its `req`.

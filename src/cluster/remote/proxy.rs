@@ -129,7 +129,7 @@ impl Actor for RemoteConversation {
             } => state.attach(&myself, conn, mode, last_seq, compact, req),
             ConversationMsg::Detach { conn, cause } => {
                 let socket_gone = cause == DetachCause::SocketGone;
-                state.command(conn, Command::detach(cause));
+                state.command(conn, Command::Detach { cause });
                 if let Some(link) = state.links.get_mut(&conn) {
                     if socket_gone {
                         link.task.abort();
@@ -216,7 +216,12 @@ impl State {
     ) {
         if let Some(old) = self.links.remove(&conn.id) {
             old.task.abort();
-            self.send_command(&old.route, Command::detach(DetachCause::SocketGone));
+            self.send_command(
+                &old.route,
+                Command::Detach {
+                    cause: DetachCause::SocketGone,
+                },
+            );
         }
         self.next_route += 1;
         let route = format!("{}_{}_{}", self.args.node, conn.id, self.next_route);
@@ -370,7 +375,12 @@ impl State {
         for link in links {
             link.task.abort();
             if !link.detaching.load(Ordering::Relaxed) {
-                self.send_command(&link.route, Command::detach(DetachCause::SocketGone));
+                self.send_command(
+                    &link.route,
+                    Command::Detach {
+                        cause: DetachCause::SocketGone,
+                    },
+                );
                 link.conn.outbound.reply(&ServerFrame::Detached {
                     req: None,
                     conversation_id: self.args.id.to_string(),
