@@ -22,9 +22,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::wire::{
-    detach_cause, Alive, AttachReply, AttachRequest, Command, RouteCommand, StopRequest,
-};
+use super::wire::{Alive, AttachReply, AttachRequest, Command, RouteCommand, StopRequest};
 use super::{Subjects, COUNTER, KEEPALIVE_EVERY, MOVED, ROUTE_TIMEOUT};
 use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
 use crate::actors::conversation::{Announce, ConversationMsg, DetachCause};
@@ -241,7 +239,12 @@ impl Host {
     }
 
     fn command(&self, command: RouteCommand) {
-        let gone_socket = matches!(command.command, Command::Detach { req: None });
+        let gone_socket = matches!(
+            command.command,
+            Command::Detach {
+                cause: DetachCause::SocketGone
+            }
+        );
         let mut routes = self.routes();
         let Some(route) = routes.get_mut(&command.route) else {
             // Its socket node hears that it is gone at its next `alive`.
@@ -283,10 +286,7 @@ impl Host {
             },
             Command::Stop { req } => ConversationMsg::StopTurn { conn, req },
             Command::Close { req } => ConversationMsg::Close { conn, req },
-            Command::Detach { req } => ConversationMsg::Detach {
-                conn,
-                cause: detach_cause(req),
-            },
+            Command::Detach { cause } => ConversationMsg::Detach { conn, cause },
         };
         let _ = route.conversation.cast(message);
         if let Some(route) = gone_socket.then(|| routes.remove(&command.route)).flatten() {

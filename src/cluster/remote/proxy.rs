@@ -129,7 +129,7 @@ impl Actor for RemoteConversation {
             } => state.attach(&myself, conn, mode, last_seq, compact, req),
             ConversationMsg::Detach { conn, cause } => {
                 let socket_gone = cause == DetachCause::SocketGone;
-                state.command(conn, Command::detach(cause));
+                state.command(conn, Command::Detach { cause });
                 if let Some(link) = state.links.get_mut(&conn) {
                     if socket_gone {
                         link.task.abort();
@@ -216,7 +216,12 @@ impl State {
     ) {
         if let Some(mut old) = self.links.remove(&conn.id) {
             old.task.abort();
-            self.send_command(&mut old, Command::detach(DetachCause::SocketGone));
+            self.send_command(
+                &mut old,
+                Command::Detach {
+                    cause: DetachCause::SocketGone,
+                },
+            );
         }
         // Never reused, not even by the next proxy for this conversation
         // or by this node's next run: a late frame or end of an earlier
@@ -384,7 +389,12 @@ impl State {
         for mut link in links {
             link.task.abort();
             if !link.detaching.load(Ordering::Relaxed) {
-                self.send_command(&mut link, Command::detach(DetachCause::SocketGone));
+                self.send_command(
+                    &mut link,
+                    Command::Detach {
+                        cause: DetachCause::SocketGone,
+                    },
+                );
                 link.conn.outbound.reply(&ServerFrame::Detached {
                     req: None,
                     conversation_id: self.args.id.to_string(),

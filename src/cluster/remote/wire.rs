@@ -66,10 +66,9 @@ pub enum Command {
     Close {
         req: Option<ReqId>,
     },
-    /// `req` is `Some` for a client's `detach` (answered `detached
-    /// client`), `None` when the socket went away.
+    /// The client detached, or its socket went away.
     Detach {
-        req: Option<Option<ReqId>>,
+        cause: DetachCause,
     },
 }
 
@@ -84,24 +83,6 @@ impl Command {
             | Command::Close { req } => Some(req.as_ref()),
             Command::Detach { .. } => None,
         }
-    }
-
-    /// A detach as it travels between nodes (the wire keeps its old shape).
-    pub fn detach(cause: DetachCause) -> Command {
-        Command::Detach {
-            req: match cause {
-                DetachCause::Client { req } => Some(req),
-                DetachCause::SocketGone => None,
-            },
-        }
-    }
-}
-
-/// A detach from another node, as the conversation takes it.
-pub fn detach_cause(req: Option<Option<ReqId>>) -> DetachCause {
-    match req {
-        Some(req) => DetachCause::Client { req },
-        None => DetachCause::SocketGone,
     }
 }
 
@@ -147,6 +128,34 @@ impl StopKind {
             StopKind::Closed => crate::protocol::StopReason::Closed,
             StopKind::Deleted => crate::protocol::StopReason::Deleted,
             StopKind::UserLimit => crate::protocol::StopReason::UserLimit,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_detach_carries_its_cause_between_nodes() {
+        let causes = [
+            DetachCause::Client {
+                req: Some(ReqId::Str("r1".into())),
+            },
+            DetachCause::Client { req: None },
+            DetachCause::SocketGone,
+        ];
+        for cause in causes {
+            let json = serde_json::to_string(&Command::Detach {
+                cause: cause.clone(),
+            })
+            .expect("a command serializes");
+            let back: Command = serde_json::from_str(&json).expect("and reads back");
+            assert!(
+                matches!(&back, Command::Detach { cause: got } if *got == cause),
+                "{json} read back as {back:?}"
+            );
+            assert_eq!(back.recording_request(), None, "a detach records nothing");
         }
     }
 }
