@@ -76,7 +76,8 @@
 use std::sync::Arc;
 
 use async_nats::jetstream::context::PublishErrorKind;
-use async_nats::jetstream::stream::{RawMessageErrorKind, Stream};
+use async_nats::jetstream::message::StreamMessage;
+use async_nats::jetstream::stream::{RawMessageError, RawMessageErrorKind, Stream};
 use async_nats::jetstream::ErrorCode;
 use async_nats::{HeaderMap, StatusCode};
 use bytes::Bytes;
@@ -193,11 +194,7 @@ impl EventLog {
                     .last_by_subject(subject.to_owned())
                     .send()
                     .await;
-                match got {
-                    Ok(m) => group(m.sequence, &m.headers, m.payload).map(Some),
-                    Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
-                    Err(e) => Err(ClusterError::Unavailable(e.to_string())),
-                }
+                found_group(got)
             },
         )
         .await
@@ -645,11 +642,7 @@ impl EventLog {
                     .next_by_subject(subject.to_owned())
                     .send()
                     .await;
-                match got {
-                    Ok(m) => group(m.sequence, &m.headers, m.payload).map(Some),
-                    Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
-                    Err(e) => Err(ClusterError::Unavailable(e.to_string())),
-                }
+                found_group(got)
             },
         )
         .await
@@ -740,6 +733,16 @@ fn header_u64(headers: &HeaderMap, name: &str, seq: u64) -> Result<u64, ClusterE
         .get(name)
         .and_then(|v| v.as_str().parse().ok())
         .ok_or_else(|| ClusterError::Corrupt(format!("message {seq}: no valid {name} header")))
+}
+
+/// The group of a message read from the leader; `None` when the
+/// conversation has no such message.
+fn found_group(got: Result<StreamMessage, RawMessageError>) -> Result<Option<Group>, ClusterError> {
+    match got {
+        Ok(m) => group(m.sequence, &m.headers, m.payload).map(Some),
+        Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(ClusterError::Unavailable(e.to_string())),
+    }
 }
 
 fn group(stream_seq: u64, headers: &HeaderMap, payload: Bytes) -> Result<Group, ClusterError> {
