@@ -20,6 +20,11 @@
 //! - `a_nats_older_than_2_11_is_refused_at_start` (§10.8).
 //! - `queued_messages_survive_the_loss_of_their_node` (§10.4).
 //! - `the_admin_list_names_the_owning_node`: each node lists what it owns.
+//! - `a_node_restarted_under_its_id_gives_up_its_earlier_run_at_once`: a
+//!   same-id restart is a departure, not a wait for `lease_ttl` (§10.4).
+//! - `a_command_lost_between_nodes_ends_the_attachment_moved`: a command
+//!   lost between two nodes ends the attachment `moved` instead of leaving
+//!   its sender waiting (§10.3).
 //!
 //! Each test starts its own NATS server and nodes on free ports, each node
 //! with its own temporary `store.path`. Synchronization is on frames, on log
@@ -121,6 +126,8 @@ struct Cluster {
     // test may start.
     nodes: Vec<Node>,
     nats: Nats,
+    /// `cluster.lease_ttl` of every node, in seconds.
+    lease_ttl_secs: u64,
     _serial: MutexGuard<'static, ()>,
 }
 
@@ -136,16 +143,27 @@ impl Cluster {
         Cluster::start_on(serial, Nats::single().await, n, extra)
     }
 
+    /// [`Cluster::start`] with another `cluster.lease_ttl`.
+    async fn start_with_lease(n: usize, lease_ttl_secs: u64) -> Cluster {
+        let serial = SERIAL.lock().await;
+        let mut cluster = Cluster::start_on(serial, Nats::single().await, 0, "");
+        cluster.lease_ttl_secs = lease_ttl_secs;
+        for i in 0..n {
+            cluster.add_node(&node_name(i));
+        }
+        cluster
+    }
+
     /// `n` nodes on the given NATS.
     fn start_on(serial: MutexGuard<'static, ()>, nats: Nats, n: usize, extra: &str) -> Cluster {
         let mut cluster = Cluster {
             nodes: Vec::new(),
             nats,
+            lease_ttl_secs: LEASE_TTL_SECS,
             _serial: serial,
         };
         for i in 0..n {
-            let letter = char::from(b'a' + u8::try_from(i).expect("a few nodes"));
-            cluster.add_node_with(&format!("tn-{letter}"), extra);
+            cluster.add_node_with(&node_name(i), extra);
         }
         cluster
     }
@@ -162,8 +180,9 @@ impl Cluster {
         let urls: Vec<String> = self.nats.urls().iter().map(|u| format!("{u:?}")).collect();
         let toml = format!(
             "[cluster]\nmode = \"nats\"\nnats_urls = [{}]\nnode_id = {node_id:?}\n\
-             lease_ttl = \"{LEASE_TTL_SECS}s\"\n{extra}",
-            urls.join(", ")
+             lease_ttl = \"{}s\"\n{extra}",
+            urls.join(", "),
+            self.lease_ttl_secs
         );
         let server = ServerProcess::spawn(store.path(), &toml);
         self.nodes.push(Node {
@@ -173,6 +192,12 @@ impl Cluster {
         });
         self.nodes.len() - 1
     }
+}
+
+/// The `i`th node's `cluster.node_id`: `tn-a`, `tn-b`, ...
+fn node_name(i: usize) -> String {
+    let letter = char::from(b'a' + u8::try_from(i).expect("a few nodes"));
+    format!("tn-{letter}")
 }
 
 /// Events of `id` read until `n` more `text_delta`s have come (included).
@@ -315,6 +340,18 @@ async fn resume(client: &mut Client, id: &str, last_seq: u64) -> (Value, Vec<Val
     (attached, replay)
 }
 
+/// A new client on `node` resumes after `last` with no gap, then a message
+/// runs a turn to completion; returns what it was sent.
+async fn resumed_with_a_turn(node: &Node, id: &str, last: u64, text: &str) -> Vec<Value> {
+    let mut client = node.connect(USER).await;
+    let (_, mut resumed) = resume(&mut client, id, last).await;
+    let ack = client.send_message(id, text).await;
+    resumed.extend(read_turn_of(&mut client, id, ack["seq"].as_u64().unwrap()).await);
+    assert_contiguous(&resumed, last + 1);
+    assert_eq!(resumed.last().unwrap()["data"]["status"], "completed");
+    resumed
+}
+
 /// §10.1, §10.3: create on A, attach on B mid-stream, steer through C; the
 /// three clients see one conversation and the three nodes serve one history.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -454,12 +491,7 @@ async fn sigkill_owner_mid_turn_is_taken_over() {
     // Attaching again on B with its last seq continues with no gap, and the
     // conversation answers a new message through its new owner.
     let last = seq(seen_b.last().unwrap());
-    let mut again = b.connect(USER).await;
-    let (_, mut resumed) = resume(&mut again, &id, last).await;
-    let ack = again.send_message(&id, "still here").await;
-    resumed.extend(read_turn_of(&mut again, &id, ack["seq"].as_u64().unwrap()).await);
-    assert_contiguous(&resumed, last + 1);
-    assert_eq!(resumed.last().unwrap()["data"]["status"], "completed");
+    let resumed = resumed_with_a_turn(b, &id, last, "still here").await;
     let history = b.history(&id).await;
     assert_stored(&history, &resumed, "the resumed client");
     let whole_view: Vec<Value> = seen_b.iter().chain(&resumed).cloned().collect();
@@ -1098,4 +1130,188 @@ async fn nats_gone_refuses_a_message_sent_through_another_node() {
         .await;
     assert_contiguous(&history, 1);
     assert_not_recorded(&history);
+}
+
+/// A peer on the node-to-node subjects, standing in for core NATS losing
+/// messages between two nodes (NATS drops what a slow subscriber cannot
+/// take, so the loss cannot be provoked on demand).
+struct Wire {
+    client: async_nats::Client,
+}
+
+impl Wire {
+    async fn connect(nats: &Nats) -> Wire {
+        let client = async_nats::connect(nats.url(0))
+            .await
+            .expect("connect to NATS");
+        Wire { client }
+    }
+
+    async fn subscribe(&self, subject: String) -> async_nats::Subscriber {
+        let subscriber = self
+            .client
+            .subscribe(subject)
+            .await
+            .expect("subscribe on NATS");
+        // The subscription is in place before anything is sent on it.
+        self.client.flush().await.expect("flush NATS");
+        subscriber
+    }
+
+    async fn publish(&self, subject: String, body: Value) {
+        let body = serde_json::to_vec(&body).expect("JSON");
+        self.client
+            .publish(subject, body.into())
+            .await
+            .expect("publish on NATS");
+        self.client.flush().await.expect("flush NATS");
+    }
+}
+
+/// The route (last subject token) of the next frame an owner sends
+/// through `frames` on a route other than `not`.
+async fn next_route(frames: &mut async_nats::Subscriber, not: Option<&str>) -> String {
+    use futures_util::StreamExt;
+    loop {
+        let frame = tokio::time::timeout(RECV_TIMEOUT, frames.next())
+            .await
+            .expect("a route frame in time")
+            .expect("the subscription is open");
+        let route = frame.subject.rsplit('.').next().unwrap_or("").to_owned();
+        if Some(route.as_str()) != not {
+            return route;
+        }
+    }
+}
+
+/// Reads `client`'s frames until `detached`, which must say `moved`.
+async fn assert_detached_moved(client: &mut Client, id: &str, what: &str) {
+    let (detached, _) = client.recv_until(|f| f["type"] == "detached").await;
+    assert_eq!(detached["conversation_id"], id, "{what}: {detached}");
+    assert_eq!(detached["reason"], "moved", "{what}: {detached}");
+}
+
+/// §10.3 when a command is lost between the socket's node and the owner:
+/// nothing after the gap runs out of order, the client hears `detached
+/// moved` instead of waiting forever for an ack, attaches again through
+/// the same node and resumes with no gap; a message then goes through.
+/// The loss is noticed at the next command (numbered past the gap) and at
+/// the next keepalive (counting more commands than arrived), and a route
+/// its owner no longer has is answered `moved` on its subject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_lost_between_nodes_ends_the_attachment_moved() {
+    let cluster = Cluster::start(2).await;
+    let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let wire = Wire::connect(&cluster.nats).await;
+    let mut frames = wire.subscribe(format!("linger.route.{}.>", b.id)).await;
+    let commands = format!("linger.node.{}.cmd", a.id);
+    let keepalives = format!("linger.node.{}.alive", a.id);
+
+    let mut on_a = a.connect(USER).await;
+    let id = created_with_a_turn(&mut on_a).await;
+    let mut on_b = b.connect(USER).await;
+    let (attached, _) = resume(&mut on_b, &id, 0).await;
+    let head = attached["head_seq"].as_u64().expect("a head_seq");
+    let first = next_route(&mut frames, None).await;
+
+    // A command numbered as if the one before it never arrived.
+    let never_run = serde_json::json!({
+        "type": "message", "text": "never run", "client_msg_id": null, "req": null
+    });
+    wire.publish(
+        commands.clone(),
+        serde_json::json!({"route": first, "n": 2, "command": never_run}),
+    )
+    .await;
+    assert_detached_moved(&mut on_b, &id, "a command past a gap").await;
+
+    resume(&mut on_b, &id, head).await;
+    let second = next_route(&mut frames, Some(&first)).await;
+    let ack = on_b.send_message(&id, "after the loss").await;
+    let message_seq = ack["seq"].as_u64().expect("a seq");
+    on_b.events_until_turn_finished(&id).await;
+
+    // A keepalive saying more commands were sent than the owner received.
+    wire.publish(
+        keepalives.clone(),
+        serde_json::json!({"node": b.id, "routes": [
+            {"route": second, "attached": true, "commands": 1000}
+        ]}),
+    )
+    .await;
+    assert_detached_moved(&mut on_b, &id, "a keepalive counting lost commands").await;
+
+    // A route the owner does not have, named as attached.
+    let mut ghost = wire.subscribe(format!("linger.route.{}.ghost", b.id)).await;
+    wire.publish(
+        keepalives,
+        serde_json::json!({"node": b.id, "routes": [
+            {"route": "ghost", "attached": true, "commands": 0}
+        ]}),
+    )
+    .await;
+    let notice = {
+        use futures_util::StreamExt;
+        tokio::time::timeout(RECV_TIMEOUT, ghost.next())
+            .await
+            .expect("an answer about the unknown route")
+            .expect("the subscription is open")
+    };
+    assert!(
+        notice
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get("Linger-Moved").is_some()),
+        "the unknown route is answered moved: {notice:?}"
+    );
+
+    let (history, _) = b
+        .wait_for_history(&id, "the turn after the loss", RECV_TIMEOUT, |h| {
+            h.iter()
+                .any(|e| kind(e) == "turn_finished" && seq(e) > message_seq)
+        })
+        .await;
+    assert_contiguous(&history, 1);
+    assert!(
+        !history
+            .iter()
+            .any(|e| kind(e) == "user_message" && e["data"]["text"] == "never run"),
+        "a command after a gap ran: {history:#?}"
+    );
+}
+
+/// A node that died and came back under the same `cluster.node_id` before
+/// its heartbeat aged out: its new run announces a new incarnation, so its
+/// earlier run's conversations are closed `node_lost` at once instead of
+/// after `lease_ttl` (a whole minute here, so waiting for it would fail
+/// the test), and a client resumes on the restarted node with no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_under_its_id_gives_up_its_earlier_run_at_once() {
+    const LONG_LEASE_SECS: u64 = 60;
+    let mut cluster = Cluster::start_with_lease(2, LONG_LEASE_SECS).await;
+    let mut on_a = cluster.nodes[0].connect(USER).await;
+    let id = on_a.create().await;
+    on_a.send_message(&id, LONG_TURN).await;
+    let seen = read_deltas(&mut on_a, &id, 5).await;
+    let turn_id = started_turn(&seen);
+
+    cluster.nodes[0].server.kill9();
+    drop(on_a);
+    let again = cluster.add_node("tn-a");
+    let a = &cluster.nodes[again];
+    let wait = Duration::from_secs(LONG_LEASE_SECS / 2);
+    let (history, _) = a
+        .wait_for_history(&id, "agent_stopped node_lost", wait, |h| {
+            has_agent_stopped(h, "node_lost")
+        })
+        .await;
+    let (finished, stopped) = turn_end(&history, &turn_id);
+    assert_eq!(finished["data"]["status"], "interrupted", "{finished}");
+    assert!(is_agent_stopped(stopped, "node_lost"), "{stopped}");
+    assert_nothing_after_turn(&history, &turn_id);
+    assert_stored(&history, &seen, "the first run's client");
+    assert_same_history(&history, &cluster.nodes[1].history(&id).await, "A and B");
+
+    let last = seq(seen.last().expect("deltas were seen"));
+    resumed_with_a_turn(a, &id, last, "after the restart").await;
 }

@@ -150,8 +150,11 @@ impl Cluster {
             discard: stream::DiscardPolicy::Old,
             max_age: o.retain,
             // Retried appends are recognized by Nats-Msg-Id within this
-            // window; later ones by reading the head (see `log`).
-            duplicate_window: Duration::from_secs(120),
+            // window; later ones by reading the head (see `log`). Every
+            // replica keeps each id for the whole window, so its memory is
+            // the event rate times the window: a retry ends within
+            // `op_timeout`, and the window is three times that at most.
+            duplicate_window: (o.op_timeout * 3).min(Duration::from_secs(120)),
             allow_direct: true,
             deny_delete: true,
             ..Default::default()

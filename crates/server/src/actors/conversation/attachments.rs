@@ -1,6 +1,7 @@
 //! Attachments as cursors over the log: attach, the replay task that
 //! catches a cursor up, the switch to live, and detach.
 
+use super::cursor::{self, AfterRound};
 use super::*;
 use crate::actors::replay::{AttachedFacts, Greeting};
 
@@ -28,7 +29,7 @@ impl State {
             req,
             announce,
         } = ask;
-        if self.stopping.is_some() && announce == Announce::Created && self.committed == 0 {
+        if self.stopping.is_some() && announce == Announce::Created && self.log.committed() == 0 {
             self.refuse_creator_now(myself, conn, req);
             return;
         }
@@ -45,7 +46,7 @@ impl State {
             });
             return;
         }
-        if announce == Announce::Created && self.committed == 0 {
+        if announce == Announce::Created && self.log.committed() == 0 {
             self.pending_creator = Some(PendingCreator { conn, mode, req });
             return;
         }
@@ -53,7 +54,8 @@ impl State {
         if let Some(old) = self.attachments.remove(&conn_id) {
             old.cancel.cancel();
         }
-        let from = last_seq.min(self.committed) + 1;
+        let head_seq = self.log.committed();
+        let from = cursor::attach_from(last_seq, head_seq);
         let greeting = match announce {
             Announce::Created => Greeting::Created {
                 req,
@@ -64,7 +66,7 @@ impl State {
                 conversation_id: self.id.to_string(),
                 status: self.status(),
                 mode,
-                head_seq: self.committed,
+                head_seq,
                 pending_calls: self
                     .turn
                     .as_ref()
@@ -75,14 +77,13 @@ impl State {
             }),
         };
         info!(conversation = %self.id, user = %self.user, connection = conn_id,
-            attach_user = %conn.user, mode = mode.as_str(), last_seq, head_seq = self.committed, "attached");
+            attach_user = %conn.user, mode = mode.as_str(), last_seq, head_seq, "attached");
         self.attachments.insert(
             conn_id,
             Attachment {
                 conn,
                 mode,
-                cursor: Cursor::CatchingUp,
-                generation: 0,
+                cursor: Cursor::attaching(),
                 cancel: CancellationToken::new(),
             },
         );
@@ -108,20 +109,13 @@ impl State {
         greeting: Option<Greeting>,
         compact: Option<Compact>,
     ) {
-        self.next_generation += 1;
-        let generation = self.next_generation;
-        let to = self.committed;
-        let in_buffer = from > to || self.buffer.front().is_some_and(|r| r.seq <= from);
-        let from_buffer: Option<Vec<Arc<EventRecord>>> = in_buffer.then(|| {
-            let start = self.buffer.front().map(|r| r.seq).unwrap_or(from);
-            let skip = from.saturating_sub(start) as usize;
-            self.buffer.iter().skip(skip).cloned().collect()
-        });
+        let round = self.rounds.next();
+        let to = self.log.committed();
+        let from_buffer = self.log.buffer().since(from, to);
         let Some(attachment) = self.attachments.get_mut(&conn_id) else {
             return;
         };
-        attachment.cursor = Cursor::CatchingUp;
-        attachment.generation = generation;
+        attachment.cursor.catch_up(round);
         if greeting.is_some() && from <= to {
             m::replay(if from_buffer.is_some() {
                 "buffer"
@@ -135,7 +129,7 @@ impl State {
             store: self.store.clone(),
             conn: attachment.conn.clone(),
             cancel: attachment.cancel.clone(),
-            generation,
+            generation: round,
             from,
             to,
             from_buffer,
@@ -155,13 +149,11 @@ impl State {
         let Some(attachment) = self.attachments.get_mut(&conn_id) else {
             return;
         };
-        if attachment.generation != generation {
-            return;
-        }
-        if next_seq > self.committed {
-            attachment.cursor = Cursor::Live;
-        } else {
-            self.spawn_catch_up(myself, conn_id, next_seq, None, None);
+        let after = attachment
+            .cursor
+            .round_ended(generation, next_seq, self.log.committed());
+        if let AfterRound::CatchUpFrom(from) = after {
+            self.spawn_catch_up(myself, conn_id, from, None, None);
         }
     }
 

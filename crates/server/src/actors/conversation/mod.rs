@@ -13,13 +13,18 @@
 
 mod attachments;
 mod control;
+mod cursor;
 mod history;
 mod lifecycle;
+mod log;
+mod replay_buffer;
 mod rule_timer;
 mod store_failure;
 mod turns;
 
 use attachments::AttachAsk;
+use cursor::{Cursor, Rounds};
+use log::{DeferredReply, Log};
 use rule_timer::RuleTimer;
 
 use std::collections::{HashMap, VecDeque};
@@ -49,7 +54,7 @@ use crate::agent::{
     TurnRequest,
 };
 use crate::config::LiveConfig;
-use crate::event::{now_rfc3339, EventData, EventRecord, StartReason, ToolTarget, TurnStatus};
+use crate::event::{now_rfc3339, EventData, StartReason, ToolTarget, TurnStatus};
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, Mode, ReqId, ServerFrame, Status, StopReason};
 use crate::store::{
@@ -97,7 +102,7 @@ pub enum ConversationMsg {
     Committed {
         upto: u64,
         credits: usize,
-        /// The [`State::epoch`] the append was made in: the outcome of an
+        /// The log's epoch the append was made in: the outcome of an
         /// append discarded by a store failure changes nothing.
         epoch: u64,
         result: Result<(), crate::store::StoreError>,
@@ -152,8 +157,10 @@ impl ConversationMsg {
     }
 }
 
-/// Why an attachment ends on the client's side.
-#[derive(Debug, Clone, PartialEq)]
+/// Why an attachment ends on the client's side. In cluster mode it travels
+/// as it is from the socket's node to the owner (`cluster/remote/wire.rs`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DetachCause {
     /// The client sent `detach`: it is answered `detached client`, echoing
     /// its `req`.
@@ -209,25 +216,14 @@ pub struct Conversation;
 /// so that no single store transaction (and what waits on it) grows large.
 const MAX_BATCH_EVENTS: usize = 128;
 
-/// Most bytes of frames one conversation's replay buffer holds, whatever
-/// `replay_buffer_events` says: events can be large (long messages, tool
-/// output), and memory must stay bounded per conversation.
-pub const REPLAY_BUFFER_MAX_BYTES: usize = 8 * 1024 * 1024;
-
 /// A message scheduled with `send_after`; aborting it cancels the timer.
 type Timer = tokio::task::JoinHandle<Result<(), ractor::MessagingErr<ConversationMsg>>>;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Cursor {
-    Live,
-    CatchingUp,
-}
 
 struct Attachment {
     conn: ConnectionHandle,
     mode: Mode,
     cursor: Cursor,
-    generation: u64,
+    /// Cancels the replay round serving the cursor.
     cancel: CancellationToken,
 }
 
@@ -238,14 +234,6 @@ struct Turn {
     started_at: std::time::SystemTime,
     pending_calls: Vec<String>,
     timeout: Timer,
-}
-
-/// A reply that must wait until the event it names is committed.
-struct DeferredReply {
-    seq: u64,
-    conn: ConnId,
-    req: Option<ReqId>,
-    frame: ServerFrame,
 }
 
 /// The connection that created the conversation, waiting for its first
@@ -270,31 +258,18 @@ pub struct State {
     /// `conversations.max_close_delay` when read: [`State::close_delay`]).
     own_close_delay: Option<Duration>,
 
-    /// The next seq to assign.
-    next_seq: u64,
-    /// Every seq up to this one is durable and may be sent.
-    committed: u64,
-    /// Assigned, not yet handed to the store: on the `Flush` it sends
-    /// itself, so that a burst already in its mailbox is one append (at
-    /// once when stopping or at [`MAX_BATCH_EVENTS`]).
-    batch: Vec<Arc<EventRecord>>,
-    batch_credits: usize,
-    batch_client_ids: Vec<(String, u64)>,
-    batch_create: Option<NewConversation>,
+    /// Seq, the batch, the writes in flight, the committed head, the
+    /// replay buffer and the replies waiting for a commit. The batch is
+    /// handed to the store on the `Flush` this actor sends itself, so that
+    /// a burst already in its mailbox is one append (at once when stopping
+    /// or at [`MAX_BATCH_EVENTS`]).
+    log: Log,
     /// A `Flush` message is on its way to this actor.
     flush_scheduled: bool,
-    /// Handed to the store, not yet committed, in seq order.
-    in_flight: VecDeque<Arc<EventRecord>>,
-    /// The last committed events, at most `replay_buffer_events` and about
-    /// [`REPLAY_BUFFER_MAX_BYTES`].
-    buffer: VecDeque<Arc<EventRecord>>,
-    buffer_bytes: usize,
-    deferred: VecDeque<DeferredReply>,
 
     attachments: HashMap<ConnId, Attachment>,
-    /// Numbers catch-up rounds: a `CaughtUp` from a round that was since
-    /// replaced is ignored.
-    next_generation: u64,
+    /// Numbers the attachments' catch-up rounds.
+    rounds: Rounds,
     turn: Option<Turn>,
     queue: VecDeque<QueuedMessage>,
     seen_msg_ids: HashMap<String, u64>,
@@ -316,8 +291,6 @@ pub struct State {
     /// Connections detached by the stop, kept so that requests still in
     /// the mailbox when it stops are answered, not dropped.
     departed: HashMap<ConnId, ConnectionHandle>,
-    /// Bumped when a store failure discards what was not committed.
-    epoch: u64,
     /// Set while the store cannot write: what failed. Requests that need an
     /// append are refused with `store_unavailable` until a retry works.
     store_failure: Option<String>,
@@ -366,19 +339,10 @@ impl Actor for Conversation {
             gauge: args.gauge,
             session,
             credits,
-            next_seq: 1,
-            committed: 0,
-            batch: Vec::new(),
-            batch_credits: 0,
-            batch_client_ids: Vec::new(),
-            batch_create: None,
+            log: Log::new(args.id.clone(), buffer_cap.min(4096)),
             flush_scheduled: false,
-            in_flight: VecDeque::new(),
-            buffer: VecDeque::with_capacity(buffer_cap.min(4096)),
-            buffer_bytes: 0,
-            deferred: VecDeque::new(),
             attachments: HashMap::new(),
-            next_generation: 0,
+            rounds: Rounds::default(),
             turn: None,
             queue: VecDeque::new(),
             seen_msg_ids: HashMap::new(),
@@ -391,7 +355,6 @@ impl Actor for Conversation {
             pending_creator: None,
             creation_failed: None,
             departed: HashMap::new(),
-            epoch: 0,
             store_failure: None,
             failed_attempts: 0,
             resume: None,
@@ -404,7 +367,7 @@ impl Actor for Conversation {
                 reason,
             } => {
                 state.own_close_delay = close_delay;
-                state.batch_create = Some(NewConversation {
+                state.log.create(NewConversation {
                     user: args.user.to_string(),
                     title: title.clone(),
                     created_at: state.last_activity_at.clone(),
@@ -428,9 +391,7 @@ impl Actor for Conversation {
                     client_msg_ids,
                 } = *snapshot;
                 state.own_close_delay = meta.close_delay;
-                state.next_seq = meta.head_seq + 1;
-                state.committed = meta.head_seq;
-                state.refill_buffer(tail);
+                state.log.reset_to(meta.head_seq, tail);
                 if let Some(turn) = resume {
                     // Its message was answered by no turn that finished: it
                     // goes first, before the messages queued after it.
@@ -521,7 +482,7 @@ impl Actor for Conversation {
                 result,
             } => {
                 state.credits.add_permits(credits);
-                if epoch != state.epoch {
+                if !state.log.is_current(epoch) {
                     // Discarded by an earlier failure: nobody was sent it.
                     return Ok(());
                 }
@@ -532,7 +493,7 @@ impl Actor for Conversation {
                 } else {
                     state.failed_attempts = 0;
                     state.on_committed(&myself, upto);
-                    if state.stopping.is_some() && state.in_flight.is_empty() {
+                    if state.stopping.is_some() && state.log.nothing_in_flight() {
                         state.finish_stop(&myself);
                         return Ok(());
                     }
@@ -568,9 +529,9 @@ impl Actor for Conversation {
             }
             ConversationMsg::Proxy(_) => {}
         }
-        if state.stopping.is_some() || state.batch.len() >= MAX_BATCH_EVENTS {
+        if state.stopping.is_some() || state.log.batch_len() >= MAX_BATCH_EVENTS {
             state.flush(&myself);
-        } else if !state.batch.is_empty() && !state.flush_scheduled {
+        } else if state.log.batch_len() > 0 && !state.flush_scheduled {
             state.flush_scheduled = myself.cast(ConversationMsg::Flush).is_ok();
         }
         if state.stopping.is_none() {
@@ -634,8 +595,8 @@ impl State {
         );
         self.gauge.publish_holding(Holding {
             queued: self.queue.len(),
-            buffer_events: self.buffer.len(),
-            buffer_bytes: self.buffer_bytes,
+            buffer_events: self.log.buffer().len(),
+            buffer_bytes: self.log.buffer().bytes(),
         });
         let turn = self.turn.as_ref();
         if turn.map(|t| &t.id) != self.gauge_turn.as_ref() {
@@ -699,10 +660,8 @@ impl State {
     }
 
     fn defer(&mut self, reply: DeferredReply) {
-        if reply.seq <= self.committed {
+        if let Some(reply) = self.log.reply_when_committed(reply) {
             self.reply_to(reply.conn, &reply.frame);
-        } else {
-            self.deferred.push_back(reply);
         }
     }
 }

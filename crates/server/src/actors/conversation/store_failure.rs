@@ -36,21 +36,20 @@ impl State {
             return true;
         }
         m::store_append_failed();
-        let lost_from = self.committed + 1;
-        let lost_to = self.next_seq.saturating_sub(1);
+        let committed = self.log.committed();
+        let lost_from = committed + 1;
+        let lost_to = self.log.last_assigned();
         warn!(conversation = %self.id, user = %self.user, error = %error,
-            committed = self.committed, lost_from, lost_to,
+            committed, lost_from, lost_to,
             "store append failed: discarding what was not committed");
-        let message = format!(
-            "the store cannot write ({error}); nothing after seq {} was recorded",
-            self.committed
-        );
+        let message =
+            format!("the store cannot write ({error}); nothing after seq {committed} was recorded");
         self.discard_uncommitted(&message);
 
         // Nothing of the conversation exists: the creator is told so and
         // the actor goes (the supervisor forgets it as for any stop).
         self.refuse_creator(myself, &message);
-        if self.committed == 0 || self.stopping.is_some() {
+        if self.log.committed() == 0 || self.stopping.is_some() {
             // Never created, or stopping anyway: its stop could not be
             // recorded, which the next activation explains (an open turn is
             // closed then) or start-up recovery does.
@@ -88,7 +87,7 @@ impl State {
     /// closes it), and every client is told `detached moved` to attach
     /// again, on any node.
     pub(super) fn moved(&mut self, myself: &ActorRef<ConversationMsg>, why: &str) {
-        warn!(conversation = %self.id, user = %self.user, committed = self.committed, why,
+        warn!(conversation = %self.id, user = %self.user, committed = self.log.committed(), why,
             "the conversation moved to another node: stopping it here without writing");
         let message = format!("this node no longer owns the conversation ({why})");
         self.discard_uncommitted(&message);
@@ -106,7 +105,7 @@ impl State {
     /// Tells a creator still waiting for the first commit that the
     /// conversation could not be created.
     fn refuse_creator(&mut self, myself: &ActorRef<ConversationMsg>, message: &str) {
-        if self.committed == 0 {
+        if self.log.committed() == 0 {
             self.creation_failed = Some(format!(
                 "the conversation could not be created: {message}; retry later"
             ));
@@ -141,15 +140,9 @@ impl State {
 
     /// Drops every event not committed and answers whoever waited on one.
     fn discard_uncommitted(&mut self, message: &str) {
-        self.epoch += 1;
-        self.in_flight.clear();
-        self.batch.clear();
-        self.batch_client_ids.clear();
-        self.batch_create = None;
-        self.credits
-            .add_permits(std::mem::take(&mut self.batch_credits));
-        self.next_seq = self.committed + 1;
-        for reply in std::mem::take(&mut self.deferred) {
+        let discarded = self.log.discard();
+        self.credits.add_permits(discarded.credits);
+        for reply in discarded.replies {
             self.refuse(
                 reply.conn,
                 reply.req,
@@ -222,17 +215,12 @@ impl State {
         // outcome was lost (a timeout after the data was written). Those
         // events were never sent; the buffer is refilled from the store and
         // every live connection catches up over them, so nobody has a gap.
-        let previous = self.committed;
-        if meta.head_seq != previous {
-            self.refill_buffer(snapshot.tail.clone());
-        }
-        self.committed = meta.head_seq;
-        self.next_seq = meta.head_seq + 1;
+        let previous = self.log.reset_to(meta.head_seq, snapshot.tail.clone());
         if meta.head_seq > previous {
             let live: Vec<ConnId> = self
                 .attachments
                 .iter()
-                .filter(|(_, a)| a.cursor == Cursor::Live)
+                .filter(|(_, a)| a.cursor.is_live())
                 .map(|(id, _)| *id)
                 .collect();
             for conn in live {

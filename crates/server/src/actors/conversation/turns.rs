@@ -40,7 +40,7 @@ impl State {
         });
         if let Some(id) = client_msg_id {
             self.seen_msg_ids.insert(id.clone(), seq);
-            self.batch_client_ids.push((id, seq));
+            self.log.add_client_msg_id(id, seq);
         }
         self.ack_when_committed(conn, req, seq, Some(false));
         self.queue.push_back(QueuedMessage { seq, text });
@@ -165,7 +165,7 @@ impl State {
             return;
         }
         if event.credited {
-            self.batch_credits += 1;
+            self.log.add_credit();
         }
         let turn_id = event.turn_id.to_string();
         match event.output {

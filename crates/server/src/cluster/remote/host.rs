@@ -6,7 +6,9 @@
 //! id from the node's connection counter, a bounded [`Outbound`] (drained
 //! by a task that publishes to the route's subject) and a small
 //! [`RouteLink`] actor that hears `DetachedBy` from the conversation and
-//! ends the route behind the last frame.
+//! ends the route behind the last frame. A route stays known until its
+//! end has been published, so that a socket node asking about a route is
+//! answered "gone" only once nothing more of it can follow.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,10 +22,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::wire::{
-    detach_cause, Alive, AttachReply, AttachRequest, Command, RouteCommand, StopRequest,
-};
-use super::{Subjects, COUNTER, KEEPALIVE_EVERY, ROUTE_TIMEOUT};
+use super::wire::{Alive, AttachReply, AttachRequest, Command, RouteCommand, StopRequest};
+use super::{Subjects, COUNTER, KEEPALIVE_EVERY, MOVED, ROUTE_TIMEOUT};
 use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
 use crate::actors::conversation::{Announce, ConversationMsg, DetachCause};
 use crate::actors::outbound::{self, Outbound, OutboundReceiver};
@@ -35,11 +35,16 @@ use crate::protocol::ErrorCode;
 /// (a slow consumer, say) rather than detached it: the close code.
 pub const CLOSE: &str = "Linger-Close";
 
+/// The close reason of a route ended with a [`MOVED`] header.
+const MOVED_REASON: &str = "moved";
+
 struct Route {
     conn: ConnId,
     conversation: ActorRef<ConversationMsg>,
     outbound: Outbound,
     last_heard: Instant,
+    /// Commands received in order (the number of the last one).
+    commands: u64,
 }
 
 type Routes = Arc<Mutex<HashMap<String, Route>>>;
@@ -118,15 +123,7 @@ impl Host {
                 Err(e) => warn!(error = %e, "a malformed command from another node"),
             },
             "alive" => match serde_json::from_slice::<Alive>(&message.payload) {
-                Ok(alive) => {
-                    let now = Instant::now();
-                    let mut routes = self.routes();
-                    for name in alive.routes {
-                        if let Some(route) = routes.get_mut(&name) {
-                            route.last_heard = now;
-                        }
-                    }
-                }
+                Ok(alive) => self.alive(alive),
                 Err(e) => warn!(error = %e, "a malformed keepalive from another node"),
             },
             "stop" => {
@@ -189,13 +186,7 @@ impl Host {
         let (outbound, receiver) =
             outbound::channel(limits.max_outbound_frames, limits.slow_consumer_patience);
         let subject = self.subjects.route(&request.socket_node, &request.route);
-        let link = match Actor::spawn(
-            None,
-            RouteLink,
-            (request.route.clone(), self.routes.clone(), outbound.clone()),
-        )
-        .await
-        {
+        let link = match Actor::spawn(None, RouteLink, outbound.clone()).await {
             Ok((link, _)) => link,
             Err(e) => {
                 return AttachReply::Refused {
@@ -204,7 +195,13 @@ impl Host {
                 }
             }
         };
-        tokio::spawn(pump(self.client.clone(), subject, receiver));
+        tokio::spawn(pump(
+            self.client.clone(),
+            subject,
+            receiver,
+            self.routes.clone(),
+            request.route.clone(),
+        ));
         let conn = self.next_connection.fetch_add(1, Ordering::Relaxed);
         let handle = ConnectionHandle {
             id: conn,
@@ -219,6 +216,7 @@ impl Host {
                 conversation: activated.actor.clone(),
                 outbound: outbound.clone(),
                 last_heard: Instant::now(),
+                commands: 0,
             },
         );
         let attached = activated.actor.cast(ConversationMsg::Attach {
@@ -241,12 +239,27 @@ impl Host {
     }
 
     fn command(&self, command: RouteCommand) {
-        let gone_socket = matches!(command.command, Command::Detach { req: None });
+        let gone_socket = matches!(
+            command.command,
+            Command::Detach {
+                cause: DetachCause::SocketGone
+            }
+        );
         let mut routes = self.routes();
-        let Some(route) = routes.get(&command.route) else {
+        let Some(route) = routes.get_mut(&command.route) else {
+            // Its socket node hears that it is gone at its next `alive`.
             debug!(route = %command.route, "a command for a route that is gone");
             return;
         };
+        if command.n != route.commands + 1 {
+            let expected = route.commands + 1;
+            if let Some(route) = routes.remove(&command.route) {
+                drop(routes);
+                lost(&command.route, route, expected, command.n);
+            }
+            return;
+        }
+        route.commands = command.n;
         let conn = route.conn;
         let message = match command.command {
             Command::Message {
@@ -273,10 +286,7 @@ impl Host {
             },
             Command::Stop { req } => ConversationMsg::StopTurn { conn, req },
             Command::Close { req } => ConversationMsg::Close { conn, req },
-            Command::Detach { req } => ConversationMsg::Detach {
-                conn,
-                cause: detach_cause(req),
-            },
+            Command::Detach { cause } => ConversationMsg::Detach { conn, cause },
         };
         let _ = route.conversation.cast(message);
         if let Some(route) = gone_socket.then(|| routes.remove(&command.route)).flatten() {
@@ -304,6 +314,48 @@ impl Host {
         self.respond(&message, b"{}".to_vec()).await;
     }
 
+    /// A socket node's routes: those it still holds are kept; one whose
+    /// commands did not all arrive is ended moved; one it believes
+    /// attached and this node does not know any more (its end was lost)
+    /// is answered moved on its subject.
+    fn alive(&self, alive: Alive) {
+        let now = Instant::now();
+        let mut lost_routes = Vec::new();
+        let mut unknown = Vec::new();
+        {
+            let mut routes = self.routes();
+            for mark in alive.routes {
+                match routes.get_mut(&mark.route) {
+                    Some(route) if mark.commands > route.commands => {
+                        let expected = route.commands + 1;
+                        if let Some(route) = routes.remove(&mark.route) {
+                            lost_routes.push((mark.route, route, expected, mark.commands));
+                        }
+                    }
+                    Some(route) => route.last_heard = now,
+                    None if mark.attached => unknown.push(mark.route),
+                    None => {}
+                }
+            }
+        }
+        for (name, route, expected, sent) in lost_routes {
+            lost(&name, route, expected, sent);
+        }
+        for name in unknown {
+            info!(route = %name, socket_node = %alive.node,
+                "a remote attachment this node does not have: its client attaches again");
+            let client = self.client.clone();
+            let subject = self.subjects.route(&alive.node, &name);
+            tokio::spawn(async move {
+                let mut headers = HeaderMap::new();
+                headers.insert(MOVED, "1");
+                let _ = client
+                    .publish_with_headers(subject, headers, Bytes::new())
+                    .await;
+            });
+        }
+    }
+
     /// Detaches the routes whose socket node stopped naming them.
     fn sweep(&self) {
         let now = Instant::now();
@@ -329,10 +381,45 @@ impl Host {
     }
 }
 
+/// A command of `name` (the `expected`th or a later one, `got`) never
+/// arrived: what follows it must not run out of order, so the route ends
+/// and its client attaches again (`detached moved`), finding in the
+/// replay what was recorded.
+fn lost(name: &str, route: Route, expected: u64, got: u64) {
+    warn!(route = %name, connection = route.conn, expected, got,
+        "a command from another node was lost on the way: the client attaches again");
+    let _ = route.conversation.cast(ConversationMsg::Detach {
+        conn: route.conn,
+        cause: DetachCause::SocketGone,
+    });
+    route
+        .outbound
+        .close(outbound::close_code::GOING_AWAY, MOVED_REASON, false);
+}
+
 /// Publishes one route's frames in order, numbered; ends the route when
 /// the conversation detached it (an empty frame), or its queue was closed
-/// (with the close code).
-async fn pump(client: async_nats::Client, subject: String, mut receiver: OutboundReceiver) {
+/// (with the close code, and [`MOVED`] when the client is to attach
+/// again). The route is forgotten once its end is out.
+async fn pump(
+    client: async_nats::Client,
+    subject: String,
+    receiver: OutboundReceiver,
+    routes: Routes,
+    name: String,
+) {
+    publish_route(&client, subject, receiver).await;
+    routes
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&name);
+}
+
+async fn publish_route(
+    client: &async_nats::Client,
+    subject: String,
+    mut receiver: OutboundReceiver,
+) {
     let mut n: u64 = 0;
     let headers = |n: u64| {
         let mut h = HeaderMap::new();
@@ -361,6 +448,9 @@ async fn pump(client: async_nats::Client, subject: String, mut receiver: Outboun
                 if end.is_none() {
                     if let Some(request) = receiver.close_request() {
                         h.insert(CLOSE, request.code.to_string().as_str());
+                        if request.reason == MOVED_REASON {
+                            h.insert(MOVED, "1");
+                        }
                     }
                 }
                 let _ = client.publish_with_headers(subject, h, Bytes::new()).await;
@@ -377,8 +467,8 @@ struct RouteLink;
 
 impl Actor for RouteLink {
     type Msg = ConnectionMsg;
-    type State = (String, Routes, Outbound);
-    type Arguments = (String, Routes, Outbound);
+    type State = Outbound;
+    type Arguments = Outbound;
 
     async fn pre_start(
         &self,
@@ -392,13 +482,9 @@ impl Actor for RouteLink {
         &self,
         myself: ActorRef<ConnectionMsg>,
         message: ConnectionMsg,
-        (route, routes, outbound): &mut Self::State,
+        outbound: &mut Outbound,
     ) -> Result<(), ActorProcessingErr> {
         if let ConnectionMsg::DetachedBy { .. } = message {
-            routes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(route.as_str());
             let outbound = outbound.clone();
             // Behind the frames queued before it, whatever room is left.
             tokio::spawn(async move {

@@ -21,10 +21,11 @@
 //! - `<p>.node.<owner>.attach`: request; answered once the owner's
 //!   conversation has the attachment (or why not).
 //! - `<p>.node.<owner>.cmd`: a client frame for a route (message,
-//!   tool_result, stop, detach).
-//! - `<p>.node.<owner>.alive`: the routes a socket node still holds, every
-//!   [`KEEPALIVE_EVERY`]; a route not named for [`ROUTE_TIMEOUT`] is
-//!   detached by the owner (its socket node died).
+//!   tool_result, stop, close, detach), numbered per route.
+//! - `<p>.node.<owner>.alive`: the routes a socket node still holds, each
+//!   with how many commands it sent, every [`KEEPALIVE_EVERY`]; a route
+//!   not named for [`ROUTE_TIMEOUT`] is detached by the owner (its socket
+//!   node died).
 //! - `<p>.node.<owner>.stop`: request; stops the conversation there
 //!   (`close`, delete) and answers once it has stopped.
 //! - `<p>.route.<socket node>.<route>`: the frames of one attachment, in
@@ -42,6 +43,17 @@
 //! - **Socket node gone**: its routes stop being named in `alive`; the
 //!   owner detaches them after [`ROUTE_TIMEOUT`], so a dead node's clients
 //!   never keep a conversation attached.
+//! - **A command lost on the way** (core NATS drops what a slow owner
+//!   cannot take): the owner sees the gap in the commands' numbers, at
+//!   the next command or at the next `alive` (which says how many were
+//!   sent), so within [`KEEPALIVE_EVERY`]. It detaches the route and ends
+//!   it with a [`MOVED`] header; the client gets `detached moved`,
+//!   attaches again and finds in the replay what was recorded (a
+//!   `message` resent with its `client_msg_id` is not recorded twice).
+//!   Commands after a gap are dropped, never run out of order.
+//! - **A route end lost on the way**: `alive` names the route as
+//!   attached, the owner no longer has it and answers on the route's
+//!   subject with a [`MOVED`] notice: `detached moved` again.
 //! - **Lying**: a message that does not parse is logged and dropped; a
 //!   route frame that is not UTF-8 ends the route.
 
@@ -57,6 +69,11 @@ pub const KEEPALIVE_EVERY: Duration = Duration::from_secs(2);
 pub const ROUTE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Header with the number of a route's frame (1, 2, ...).
 pub const COUNTER: &str = "Linger-N";
+/// Header on a route's last message when the owner no longer serves the
+/// attachment as its socket node believes (a command lost, a route it
+/// does not know): the client is told `detached moved`, whatever the
+/// frame counter says.
+pub const MOVED: &str = "Linger-Moved";
 
 /// Subject names of node-to-node traffic.
 #[derive(Debug, Clone)]

@@ -23,9 +23,9 @@ use tracing::{debug, info};
 
 use super::host::CLOSE;
 use super::wire::{
-    Alive, AttachReply, AttachRequest, Command, RouteCommand, StopKind, StopRequest,
+    Alive, AliveRoute, AttachReply, AttachRequest, Command, RouteCommand, StopKind, StopRequest,
 };
-use super::{Subjects, COUNTER, KEEPALIVE_EVERY};
+use super::{Subjects, COUNTER, KEEPALIVE_EVERY, MOVED};
 use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
 use crate::actors::conversation::{ConversationMsg, DetachCause};
 use crate::actors::outbound::close_code;
@@ -67,6 +67,8 @@ struct Link {
     conn: ConnectionHandle,
     /// Commands waiting for the owner's answer to the attach.
     waiting: Option<Vec<Command>>,
+    /// Commands published on the route (the owner checks the count).
+    sent: u64,
     /// The client detached; the route ends when the owner lets it go.
     /// Shared with the route's task: the end of a route the client left
     /// closes nothing.
@@ -77,7 +79,6 @@ struct Link {
 pub struct State {
     args: ProxyArgs,
     links: HashMap<ConnId, Link>,
-    next_route: u64,
     outgoing: mpsc::UnboundedSender<(String, Bytes)>,
     ticks: u64,
 }
@@ -106,7 +107,6 @@ impl Actor for RemoteConversation {
         Ok(State {
             args,
             links: HashMap::new(),
-            next_route: 0,
             outgoing,
             ticks: 0,
         })
@@ -129,7 +129,7 @@ impl Actor for RemoteConversation {
             } => state.attach(&myself, conn, mode, last_seq, compact, req),
             ConversationMsg::Detach { conn, cause } => {
                 let socket_gone = cause == DetachCause::SocketGone;
-                state.command(conn, Command::detach(cause));
+                state.command(conn, Command::Detach { cause });
                 if let Some(link) = state.links.get_mut(&conn) {
                     if socket_gone {
                         link.task.abort();
@@ -214,12 +214,19 @@ impl State {
         compact: bool,
         req: Option<ReqId>,
     ) {
-        if let Some(old) = self.links.remove(&conn.id) {
+        if let Some(mut old) = self.links.remove(&conn.id) {
             old.task.abort();
-            self.send_command(&old.route, Command::detach(DetachCause::SocketGone));
+            self.send_command(
+                &mut old,
+                Command::Detach {
+                    cause: DetachCause::SocketGone,
+                },
+            );
         }
-        self.next_route += 1;
-        let route = format!("{}_{}_{}", self.args.node, conn.id, self.next_route);
+        // Never reused, not even by the next proxy for this conversation
+        // or by this node's next run: a late frame or end of an earlier
+        // route must not land in this one.
+        let route = format!("{}_{}", self.args.node, ulid::Ulid::new());
         let request = AttachRequest {
             conversation: self.args.id.to_string(),
             socket_node: self.args.node.clone(),
@@ -251,26 +258,35 @@ impl State {
                 route,
                 conn,
                 waiting: Some(Vec::new()),
+                sent: 0,
                 detaching,
                 task,
             },
         );
     }
 
-    fn send_command(&self, route: &str, command: Command) {
+    /// Publishes the route's next command, numbered.
+    fn send_command(&self, link: &mut Link, command: Command) {
+        link.sent += 1;
         self.publish(
             self.args.subjects.cmd(&self.args.owner),
             &RouteCommand {
-                route: route.to_owned(),
+                route: link.route.clone(),
+                n: link.sent,
                 command,
             },
         );
     }
 
     fn command(&mut self, conn: ConnId, command: Command) {
-        let Some(link) = self.links.get_mut(&conn) else {
+        let Some(mut link) = self.links.remove(&conn) else {
             return;
         };
+        self.command_on(&mut link, command);
+        self.links.insert(conn, link);
+    }
+
+    fn command_on(&self, link: &mut Link, command: Command) {
         if link.detaching.load(Ordering::Relaxed) {
             return;
         }
@@ -290,26 +306,22 @@ impl State {
         }
         match &mut link.waiting {
             Some(waiting) => waiting.push(command),
-            None => {
-                let route = link.route.clone();
-                self.send_command(&route, command);
-            }
+            None => self.send_command(link, command),
         }
     }
 
     fn event(&mut self, myself: &ActorRef<ConversationMsg>, event: ProxyEvent) {
         match event {
             ProxyEvent::Ready { conn, route } => {
-                let Some(link) = self.links.get_mut(&conn) else {
+                let Some(mut link) = self.links.remove(&conn) else {
                     return;
                 };
-                if link.route != route {
-                    return;
+                if link.route == route {
+                    for command in link.waiting.take().unwrap_or_default() {
+                        self.send_command(&mut link, command);
+                    }
                 }
-                let waiting = link.waiting.take().unwrap_or_default();
-                for command in waiting {
-                    self.send_command(&route, command);
-                }
+                self.links.insert(conn, link);
             }
             ProxyEvent::RouteEnded { conn, route } => {
                 if self.links.get(&conn).is_some_and(|l| l.route == route) {
@@ -325,15 +337,22 @@ impl State {
             }
             ProxyEvent::Tick => {
                 self.ticks += 1;
-                let routes: Vec<String> = self
+                let routes: Vec<AliveRoute> = self
                     .links
                     .values()
                     .filter(|l| !l.detaching.load(Ordering::Relaxed))
-                    .map(|l| l.route.clone())
+                    .map(|l| AliveRoute {
+                        route: l.route.clone(),
+                        attached: l.waiting.is_none(),
+                        commands: l.sent,
+                    })
                     .collect();
                 self.publish(
                     self.args.subjects.alive(&self.args.owner),
-                    &Alive { routes },
+                    &Alive {
+                        node: self.args.node.clone(),
+                        routes,
+                    },
                 );
                 let every = (self.args.lease_ttl / 2)
                     .max(Duration::from_millis(500))
@@ -367,10 +386,15 @@ impl State {
     /// Tells every client here that it is detached, and forgets them.
     fn detach_all(&mut self, myself: &ActorRef<ConversationMsg>, reason: DetachReason) {
         let links: Vec<Link> = self.links.drain().map(|(_, l)| l).collect();
-        for link in links {
+        for mut link in links {
             link.task.abort();
             if !link.detaching.load(Ordering::Relaxed) {
-                self.send_command(&link.route, Command::detach(DetachCause::SocketGone));
+                self.send_command(
+                    &mut link,
+                    Command::Detach {
+                        cause: DetachCause::SocketGone,
+                    },
+                );
                 link.conn.outbound.reply(&ServerFrame::Detached {
                     req: None,
                     conversation_id: self.args.id.to_string(),
@@ -503,6 +527,21 @@ impl RouteTask {
         }));
         let mut expected: u64 = 1;
         while let Some(message) = frames.next().await {
+            if message
+                .headers
+                .as_ref()
+                .is_some_and(|h| h.get(MOVED).is_some())
+            {
+                // The owner no longer serves this attachment as sent (a
+                // command lost on the way, or the route's end): whatever
+                // the counter says, the client resumes from what it has.
+                info!(conversation = %request.conversation, route = %request.route,
+                    "the owner ended this attachment: the client attaches again");
+                if !self.detaching.load(Ordering::Relaxed) {
+                    self.moved(None);
+                }
+                return;
+            }
             let n = message
                 .headers
                 .as_ref()

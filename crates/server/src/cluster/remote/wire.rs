@@ -39,6 +39,9 @@ pub enum AttachReply {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct RouteCommand {
     pub route: String,
+    /// The command's number on its route: 1, 2, 3, ... A gap means one was
+    /// lost between the nodes.
+    pub n: u64,
     pub command: Command,
 }
 
@@ -63,10 +66,9 @@ pub enum Command {
     Close {
         req: Option<ReqId>,
     },
-    /// `req` is `Some` for a client's `detach` (answered `detached
-    /// client`), `None` when the socket went away.
+    /// The client detached, or its socket went away.
     Detach {
-        req: Option<Option<ReqId>>,
+        cause: DetachCause,
     },
 }
 
@@ -82,30 +84,27 @@ impl Command {
             Command::Detach { .. } => None,
         }
     }
-
-    /// A detach as it travels between nodes (the wire keeps its old shape).
-    pub fn detach(cause: DetachCause) -> Command {
-        Command::Detach {
-            req: match cause {
-                DetachCause::Client { req } => Some(req),
-                DetachCause::SocketGone => None,
-            },
-        }
-    }
-}
-
-/// A detach from another node, as the conversation takes it.
-pub fn detach_cause(req: Option<Option<ReqId>>) -> DetachCause {
-    match req {
-        Some(req) => DetachCause::Client { req },
-        None => DetachCause::SocketGone,
-    }
 }
 
 /// The routes a socket node still holds with one owner.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Alive {
-    pub routes: Vec<String>,
+    /// The socket's node, where the owner answers about a route it no
+    /// longer has.
+    pub node: String,
+    pub routes: Vec<AliveRoute>,
+}
+
+/// One route as its socket node sees it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AliveRoute {
+    pub route: String,
+    /// The owner answered the attach: from then on a route it does not
+    /// know is one it ended (or lost).
+    pub attached: bool,
+    /// How many commands were published on the route: more than the owner
+    /// received means the last ones were lost.
+    pub commands: u64,
 }
 
 /// Stop a conversation on its owner (`close`, delete, the user's limit).
@@ -129,6 +128,34 @@ impl StopKind {
             StopKind::Closed => crate::protocol::StopReason::Closed,
             StopKind::Deleted => crate::protocol::StopReason::Deleted,
             StopKind::UserLimit => crate::protocol::StopReason::UserLimit,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_detach_carries_its_cause_between_nodes() {
+        let causes = [
+            DetachCause::Client {
+                req: Some(ReqId::Str("r1".into())),
+            },
+            DetachCause::Client { req: None },
+            DetachCause::SocketGone,
+        ];
+        for cause in causes {
+            let json = serde_json::to_string(&Command::Detach {
+                cause: cause.clone(),
+            })
+            .expect("a command serializes");
+            let back: Command = serde_json::from_str(&json).expect("and reads back");
+            assert!(
+                matches!(&back, Command::Detach { cause: got } if *got == cause),
+                "{json} read back as {back:?}"
+            );
+            assert_eq!(back.recording_request(), None, "a detach records nothing");
         }
     }
 }
