@@ -1,7 +1,8 @@
 //! The `linger` binary: `linger serve [--config PATH]` (SIGTERM and Ctrl-C
 //! stop it gracefully, SIGHUP reloads its configuration), and the terminal
 //! client (`new`, `ls`, `send`, `attach`; for admins `ps`, `top`,
-//! `reload`; in `src/cli/`).
+//! `reload`; in `src/cli/`), and `linger bench` (the `linger-bench` crate).
+//! The server itself is the library `linger` (crates/server).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,7 +12,6 @@ use linger::config::Config;
 use linger::reload::{ConfigSource, Reloader, Trigger};
 use linger::server::{Server, Setup};
 
-mod bench;
 mod cli;
 
 #[derive(Parser)]
@@ -56,7 +56,7 @@ enum Command {
     Reload(cli::reload::Args),
     /// Drive a server with load over loopback websockets and report
     /// throughput, latency, CPU and memory (see BENCHMARKS.md).
-    Bench(bench::BenchArgs),
+    Bench(linger_bench::BenchArgs),
 }
 
 /// Starts listening for a signal (from then on, it no longer has its
@@ -163,7 +163,7 @@ fn client(result: anyhow::Result<()>) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config_path = match cli.command {
-        Some(Command::Bench(args)) => return bench::run(args).await,
+        Some(Command::Bench(args)) => return linger_bench::run(args).await,
         Some(Command::Serve(args)) => args.config,
         Some(Command::New(args)) => return client(cli::new::run(args).await),
         Some(Command::Ls(args)) => return client(cli::ls::run(args).await),

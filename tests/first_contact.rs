@@ -76,6 +76,27 @@ fn cargo_run_starts_the_linger_binary() {
         None => panic!("`cargo run` cannot choose among {bins:?}: set default-run"),
     };
     assert_eq!(runs, "linger");
+    // From the root, `cargo run` looks at every default member of the
+    // workspace: with binaries in the root package only, it has nothing
+    // else to choose from.
+    let default_members = meta["workspace_default_members"]
+        .as_array()
+        .expect("cargo metadata lists the default members");
+    for member in meta["packages"].as_array().unwrap() {
+        if member["manifest_path"] == root.as_str() || !default_members.contains(&member["id"]) {
+            continue;
+        }
+        let has_bin = member["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["kind"].as_array().unwrap().iter().any(|k| k == "bin"));
+        assert!(
+            !has_bin,
+            "{} is a default member with a binary: `cargo run` would have to choose",
+            member["name"]
+        );
+    }
 }
 
 /// `linger` with no arguments, from a directory with no config file: the

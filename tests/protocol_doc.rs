@@ -30,7 +30,7 @@ use linger::protocol::{
 };
 
 const DOC: &str = include_str!("../docs/protocol.md");
-const ROUTER_SOURCE: &str = include_str!("../src/gateway/mod.rs");
+const ROUTER_SOURCE: &str = include_str!("../crates/server/src/gateway/mod.rs");
 
 /// One named table of the reference page.
 #[derive(Debug, Default)]

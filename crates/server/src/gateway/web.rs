@@ -23,7 +23,7 @@ struct Asset {
 const INDEX: Asset = Asset {
     name: "index.html",
     content_type: "text/html; charset=utf-8",
-    body: include_str!("../../web/index.html"),
+    body: include_str!("../../../../web/index.html"),
 };
 
 const JS: &str = "text/javascript; charset=utf-8";
@@ -35,82 +35,82 @@ const ASSETS: &[Asset] = &[
     Asset {
         name: "app.css",
         content_type: "text/css; charset=utf-8",
-        body: include_str!("../../web/app.css"),
+        body: include_str!("../../../../web/app.css"),
     },
     Asset {
         name: "app.js",
         content_type: JS,
-        body: include_str!("../../web/app.js"),
+        body: include_str!("../../../../web/app.js"),
     },
     Asset {
         name: "dom.js",
         content_type: JS,
-        body: include_str!("../../web/dom.js"),
+        body: include_str!("../../../../web/dom.js"),
     },
     Asset {
         name: "admin.css",
         content_type: "text/css; charset=utf-8",
-        body: include_str!("../../web/admin.css"),
+        body: include_str!("../../../../web/admin.css"),
     },
     Asset {
         name: "admin.js",
         content_type: JS,
-        body: include_str!("../../web/admin.js"),
+        body: include_str!("../../../../web/admin.js"),
     },
     Asset {
         name: "markdown.js",
         content_type: JS,
-        body: include_str!("../../web/markdown.js"),
+        body: include_str!("../../../../web/markdown.js"),
     },
     Asset {
         name: "vendor/markdown-it.esm.min.mjs",
         content_type: JS,
-        body: include_str!("../../web/vendor/markdown-it.esm.min.mjs"),
+        body: include_str!("../../../../web/vendor/markdown-it.esm.min.mjs"),
     },
     Asset {
         name: "linger/index.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/index.js"),
+        body: include_str!("../../../../clients/js/src/index.js"),
     },
     Asset {
         name: "linger/client.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/client.js"),
+        body: include_str!("../../../../clients/js/src/client.js"),
     },
     Asset {
         name: "linger/conversation.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/conversation.js"),
+        body: include_str!("../../../../clients/js/src/conversation.js"),
     },
     Asset {
         name: "linger/emitter.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/emitter.js"),
+        body: include_str!("../../../../clients/js/src/emitter.js"),
     },
     Asset {
         name: "linger/errors.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/errors.js"),
+        body: include_str!("../../../../clients/js/src/errors.js"),
     },
     Asset {
         name: "linger/rest.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/rest.js"),
+        body: include_str!("../../../../clients/js/src/rest.js"),
     },
     Asset {
         name: "linger/socket.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/socket.js"),
+        body: include_str!("../../../../clients/js/src/socket.js"),
     },
     Asset {
         name: "linger/store.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/store.js"),
+        body: include_str!("../../../../clients/js/src/store.js"),
     },
     Asset {
         name: "linger/transcript.js",
         content_type: JS,
-        body: include_str!("../../clients/js/src/transcript.js"),
+        body: include_str!("../../../../clients/js/src/transcript.js"),
     },
 ];
 
@@ -214,7 +214,8 @@ mod tests {
             }
         }
         // Every module of the client is served, so the page can import it.
-        let client = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/js/src");
+        // This crate is crates/server; the client is the repository's.
+        let client = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../clients/js/src");
         for entry in std::fs::read_dir(&client).expect("read clients/js/src") {
             let file = entry.expect("a directory entry").file_name();
             let name = format!("linger/{}", file.to_string_lossy());

@@ -27,7 +27,8 @@ pub async fn locate(given: Option<&Path>) -> anyhow::Result<PathBuf> {
         return Ok(path.to_owned());
     }
     let script = [
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/install-nats-server.sh"),
+        // This crate is crates/bench; the script is the repository's.
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/install-nats-server.sh"),
         PathBuf::from("scripts/install-nats-server.sh"),
     ]
     .into_iter()

@@ -11,7 +11,9 @@
 //! supervision) is what the ratio to this relay measures.
 //!
 //! Run: `relay [--listen 127.0.0.1:7421]`; it prints `listening on ADDR` on
-//! stderr and serves until killed.
+//! stderr and serves until killed. The executable is declared by the root
+//! package (`src/bin/relay/main.rs`), beside `linger`, where the bench
+//! looks for it.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -38,15 +40,16 @@ const OUTBOUND_FRAMES: usize = 10_000;
 /// Most frames written with one flush.
 const WRITE_BATCH: usize = 64;
 
+/// The relay's command line.
 #[derive(Parser)]
 #[command(
     name = "relay",
     about = "Minimal websocket relay: the ceiling for `linger bench`"
 )]
-struct Args {
+pub struct Args {
     /// Address to listen on (loopback only).
     #[arg(long, default_value = "127.0.0.1:7421")]
-    listen: SocketAddr,
+    pub listen: SocketAddr,
 }
 
 #[derive(Default)]
@@ -137,9 +140,8 @@ struct ClientFrame {
     text: Option<String>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+/// Serves on `args.listen` until the process is killed.
+pub async fn run(args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.listen.ip().is_loopback(),
         "the relay listens on loopback only"

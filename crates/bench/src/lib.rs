@@ -13,14 +13,19 @@
 //!   ([`takeover`]); it spawns everything itself ([`nats`] for the NATS
 //!   servers), and is not part of `all` (it needs `nats-server`).
 //!
-//! With `--spawn` every scenario runs against a fresh `linger serve` (this
-//! binary, temporary store) and then against the `relay` binary (the
-//! ceiling: same websocket stack, no actors, no store), and every figure is
+//! With `--spawn` every scenario runs against a fresh `linger serve` (the
+//! executable this runs in, temporary store) and then against the `relay`
+//! executable beside it (the ceiling: same websocket stack, no actors, no
+//! store), and every figure is
 //! printed with its ratio to the relay's. Without `--spawn` it drives the
 //! server at `--url`, and reads CPU and memory of `--server-pid` if given.
 //!
 //! Every wait is bounded in time and every loop in count: the bench stops
 //! by itself, with an error naming what did not arrive.
+//!
+//! A crate of its own (`linger-bench`) so that the server library does not
+//! carry the load generator's dependencies; it speaks to servers over
+//! websockets and REST only, and does not use the server library.
 
 mod client;
 mod cluster;

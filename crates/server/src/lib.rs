@@ -2,6 +2,10 @@
 //! The protocol is described in `docs/protocol.md`; "protocol §N" in
 //! comments means its section N.
 //!
+//! This is the server library (package `linger-server`); the `linger`
+//! executable that serves it, the terminal client, the load generator and
+//! the relay are the workspace's other crates (ARCHITECTURE.md, code map).
+//!
 //! # Layout
 //! - [`protocol`]: wire types of protocol v1; [`event`]: sequenced events,
 //!   serialized once.
