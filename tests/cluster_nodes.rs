@@ -20,6 +20,10 @@
 //! - `a_nats_older_than_2_11_is_refused_at_start` (§10.8).
 //! - `queued_messages_survive_the_loss_of_their_node` (§10.4).
 //! - `the_admin_list_names_the_owning_node`: each node lists what it owns.
+//! - `a_compact_attach_through_another_node`: §11's compact replay served
+//!   through a node that does not own the conversation.
+//! - `nats_gone_refuses_a_message_sent_through_another_node`: §10.6 on the
+//!   socket's node, not only on the owner.
 //! - `a_node_restarted_under_its_id_gives_up_its_earlier_run_at_once`: a
 //!   same-id restart is a departure, not a wait for `lease_ttl` (§10.4).
 //! - `a_command_lost_between_nodes_ends_the_attachment_moved`: a command
