@@ -79,8 +79,40 @@ struct Link {
 pub struct State {
     args: ProxyArgs,
     links: HashMap<ConnId, Link>,
-    outgoing: mpsc::UnboundedSender<(String, Bytes)>,
+    to_owner: ToOwner,
     ticks: u64,
+}
+
+/// What the proxy publishes to the owner, in order: one task drains the
+/// queue onto the NATS connection.
+struct ToOwner {
+    queue: mpsc::UnboundedSender<(String, Bytes)>,
+    /// `<p>.node.<owner>.cmd`, named once.
+    commands: String,
+}
+
+impl ToOwner {
+    fn publish<T: serde::Serialize>(&self, subject: String, body: &T) {
+        match serde_json::to_vec(body) {
+            Ok(body) => {
+                let _ = self.queue.send((subject, body.into()));
+            }
+            Err(e) => debug!(error = %e, "cannot encode a message for another node"),
+        }
+    }
+
+    /// Publishes the route's next command, numbered.
+    fn command(&self, link: &mut Link, command: Command) {
+        link.sent += 1;
+        self.publish(
+            self.commands.clone(),
+            &RouteCommand {
+                route: link.route.clone(),
+                n: link.sent,
+                command,
+            },
+        );
+    }
 }
 
 impl Actor for RemoteConversation {
@@ -104,10 +136,14 @@ impl Actor for RemoteConversation {
         });
         myself.send_interval(KEEPALIVE_EVERY, || ConversationMsg::Proxy(ProxyEvent::Tick));
         info!(conversation = %args.id, owner = %args.owner, "reaching a conversation through its owner");
+        let to_owner = ToOwner {
+            queue: outgoing,
+            commands: args.subjects.cmd(&args.owner),
+        };
         Ok(State {
             args,
             links: HashMap::new(),
-            outgoing,
+            to_owner,
             ticks: 0,
         })
     }
@@ -196,15 +232,6 @@ impl Actor for RemoteConversation {
 }
 
 impl State {
-    fn publish<T: serde::Serialize>(&self, subject: String, body: &T) {
-        match serde_json::to_vec(body) {
-            Ok(body) => {
-                let _ = self.outgoing.send((subject, body.into()));
-            }
-            Err(e) => debug!(error = %e, "cannot encode a message for another node"),
-        }
-    }
-
     fn attach(
         &mut self,
         myself: &ActorRef<ConversationMsg>,
@@ -216,7 +243,7 @@ impl State {
     ) {
         if let Some(mut old) = self.links.remove(&conn.id) {
             old.task.abort();
-            self.send_command(
+            self.to_owner.command(
                 &mut old,
                 Command::Detach {
                     cause: DetachCause::SocketGone,
@@ -265,28 +292,10 @@ impl State {
         );
     }
 
-    /// Publishes the route's next command, numbered.
-    fn send_command(&self, link: &mut Link, command: Command) {
-        link.sent += 1;
-        self.publish(
-            self.args.subjects.cmd(&self.args.owner),
-            &RouteCommand {
-                route: link.route.clone(),
-                n: link.sent,
-                command,
-            },
-        );
-    }
-
     fn command(&mut self, conn: ConnId, command: Command) {
-        let Some(mut link) = self.links.remove(&conn) else {
+        let Some(link) = self.links.get_mut(&conn) else {
             return;
         };
-        self.command_on(&mut link, command);
-        self.links.insert(conn, link);
-    }
-
-    fn command_on(&self, link: &mut Link, command: Command) {
         if link.detaching.load(Ordering::Relaxed) {
             return;
         }
@@ -306,22 +315,21 @@ impl State {
         }
         match &mut link.waiting {
             Some(waiting) => waiting.push(command),
-            None => self.send_command(link, command),
+            None => self.to_owner.command(link, command),
         }
     }
 
     fn event(&mut self, myself: &ActorRef<ConversationMsg>, event: ProxyEvent) {
         match event {
             ProxyEvent::Ready { conn, route } => {
-                let Some(mut link) = self.links.remove(&conn) else {
+                let Some(link) = self.links.get_mut(&conn) else {
                     return;
                 };
                 if link.route == route {
                     for command in link.waiting.take().unwrap_or_default() {
-                        self.send_command(&mut link, command);
+                        self.to_owner.command(link, command);
                     }
                 }
-                self.links.insert(conn, link);
             }
             ProxyEvent::RouteEnded { conn, route } => {
                 if self.links.get(&conn).is_some_and(|l| l.route == route) {
@@ -347,7 +355,7 @@ impl State {
                         commands: l.sent,
                     })
                     .collect();
-                self.publish(
+                self.to_owner.publish(
                     self.args.subjects.alive(&self.args.owner),
                     &Alive {
                         node: self.args.node.clone(),
@@ -389,7 +397,7 @@ impl State {
         for mut link in links {
             link.task.abort();
             if !link.detaching.load(Ordering::Relaxed) {
-                self.send_command(
+                self.to_owner.command(
                     &mut link,
                     Command::Detach {
                         cause: DetachCause::SocketGone,
