@@ -19,7 +19,8 @@
 //!   (§10.6).
 //! - `a_nats_older_than_2_11_is_refused_at_start` (§10.8).
 //! - `queued_messages_survive_the_loss_of_their_node` (§10.4).
-//! - `the_admin_list_names_the_owning_node`: each node lists what it owns.
+//! - `the_admin_list_shows_every_node_s_conversations`: any node lists what
+//!   every live node runs, and names a node that does not answer.
 //! - `a_compact_attach_through_another_node`: §11's compact replay served
 //!   through a node that does not own the conversation.
 //! - `nats_gone_refuses_a_message_sent_through_another_node`: §10.6 on the
@@ -55,6 +56,9 @@ const USER: &str = "alice";
 
 /// `cluster.lease_ttl` of every node, in seconds.
 const LEASE_TTL_SECS: u64 = 2;
+/// A `lease_ttl` no test outlives: a node stopped for a while stays a live
+/// one, and only a departure can free its conversations early.
+const LONG_LEASE_SECS: u64 = 60;
 
 /// Protocol §10.4: a dead node's conversations are taken over within
 /// `lease_ttl` plus 5 seconds.
@@ -147,13 +151,13 @@ impl Cluster {
         Cluster::start_on(serial, Nats::single().await, n, extra)
     }
 
-    /// [`Cluster::start`] with another `cluster.lease_ttl`.
-    async fn start_with_lease(n: usize, lease_ttl_secs: u64) -> Cluster {
+    /// [`Cluster::start_with`] with another `cluster.lease_ttl`.
+    async fn start_with_lease(n: usize, lease_ttl_secs: u64, extra: &str) -> Cluster {
         let serial = SERIAL.lock().await;
         let mut cluster = Cluster::start_on(serial, Nats::single().await, 0, "");
         cluster.lease_ttl_secs = lease_ttl_secs;
         for i in 0..n {
-            cluster.add_node(&node_name(i));
+            cluster.add_node_with(&node_name(i), extra);
         }
         cluster
     }
@@ -1009,25 +1013,86 @@ async fn queued_messages_survive_the_loss_of_their_node() {
     assert_contiguous(&history, 1);
 }
 
-/// `GET /v1/admin/conversations` on a node lists the conversations it owns,
-/// each naming it as their node; another node does not list them.
+/// `GET /v1/admin/conversations` on any node lists the conversations of
+/// every live node, each naming the node that runs it. A live node that
+/// does not answer (stopped here) is named in `Linger-Unanswered-Nodes`,
+/// and the other nodes' conversations are listed without waiting for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_admin_list_names_the_owning_node() {
+async fn the_admin_list_shows_every_node_s_conversations() {
     let tokens = "[auth]\nmode = \"tokens\"\ntokens = [{ token = \"alice\", user = \"alice\" }, \
                   { token = \"ops\", user = \"ops\", admin = true }]\n";
-    let cluster = Cluster::start_with(2, tokens).await;
+    // A lease long enough that the stopped node stays a live one (its
+    // conversation is not taken over) while it is asked.
+    let cluster = Cluster::start_with_lease(2, LONG_LEASE_SECS, tokens).await;
     let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
-    let mut alice = a.connect(USER).await;
-    let id = alice.create().await;
-    alice.events(&id, 2).await;
-    let (status, listed) = a.server.get("/v1/admin/conversations", Some("ops")).await;
+    let mut on_a = a.connect(USER).await;
+    let on_a_id = on_a.create().await;
+    on_a.events(&on_a_id, 2).await;
+    let mut on_b = b.connect(USER).await;
+    let on_b_id = on_b.create().await;
+    on_b.events(&on_b_id, 2).await;
+    let mut expected = vec![
+        (on_a_id.clone(), a.id.clone()),
+        (on_b_id.clone(), b.id.clone()),
+    ];
+    expected.sort();
+
+    for node in [a, b] {
+        let (status, listed, unanswered) = admin_list(node).await;
+        assert_eq!(status, 200, "{listed}");
+        assert_eq!(unanswered, None, "asked {}", node.id);
+        let rows = listed.as_array().expect("a list");
+        let seen: Vec<(String, String)> = rows
+            .iter()
+            .map(|c| {
+                (
+                    c["id"].as_str().unwrap().to_owned(),
+                    c["node"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(seen, expected, "asked {}: {listed:#}", node.id);
+        assert!(rows.iter().all(|c| c["user"] == USER), "{listed:#}");
+    }
+
+    b.server.signal("STOP");
+    let (status, listed, unanswered) = admin_list(a).await;
+    // The terminal client says so too.
+    let (ps, _, ps_err) = common::run_client(&a.server.http_url(""), "ops", &["ps"]).await;
+    b.server.signal("CONT");
+    assert!(ps.success(), "{ps_err}");
+    assert!(
+        ps_err.contains(&format!("not listed: the conversations of node {}", b.id)),
+        "linger ps said: {ps_err}"
+    );
     assert_eq!(status, 200, "{listed}");
-    assert_eq!(listed[0]["id"], id.as_str(), "{listed:#}");
-    assert_eq!(listed[0]["node"], a.id.as_str(), "{listed:#}");
-    assert_eq!(listed[0]["user"], USER, "{listed:#}");
-    let (status, listed) = b.server.get("/v1/admin/conversations", Some("ops")).await;
-    assert_eq!(status, 200, "{listed}");
-    assert_eq!(listed, serde_json::json!([]), "node {} owns nothing", b.id);
+    assert_eq!(unanswered.as_deref(), Some(b.id.as_str()), "{listed:#}");
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed:#}");
+    assert_eq!(listed[0]["id"], on_a_id.as_str(), "{listed:#}");
+
+    // Awake again, B answers and its conversation is listed once more.
+    let (_, listed, unanswered) = admin_list(a).await;
+    assert_eq!(unanswered, None, "{listed:#}");
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed:#}");
+}
+
+/// `GET /v1/admin/conversations` on `node` as an admin: status, body and
+/// the `Linger-Unanswered-Nodes` header.
+async fn admin_list(node: &Node) -> (u16, Value, Option<String>) {
+    let response = reqwest::Client::new()
+        .get(node.server.http_url("/v1/admin/conversations"))
+        .bearer_auth("ops")
+        .timeout(RECV_TIMEOUT)
+        .send()
+        .await
+        .expect("the admin list answers");
+    let status = response.status().as_u16();
+    let unanswered = response
+        .headers()
+        .get("linger-unanswered-nodes")
+        .map(|v| v.to_str().expect("an ASCII header").to_owned());
+    let body = response.json().await.expect("a JSON list");
+    (status, body, unanswered)
 }
 
 /// §11 through another node: a compact attach on a node that does not own
@@ -1291,8 +1356,7 @@ async fn a_command_lost_between_nodes_ends_the_attachment_moved() {
 /// the test), and a client resumes on the restarted node with no gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_restarted_under_its_id_gives_up_its_earlier_run_at_once() {
-    const LONG_LEASE_SECS: u64 = 60;
-    let mut cluster = Cluster::start_with_lease(2, LONG_LEASE_SECS).await;
+    let mut cluster = Cluster::start_with_lease(2, LONG_LEASE_SECS, "").await;
     let mut on_a = cluster.nodes[0].connect(USER).await;
     let id = on_a.create().await;
     on_a.send_message(&id, LONG_TURN).await;

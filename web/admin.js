@@ -12,7 +12,8 @@ const KEEP_DECISIONS = 50;
 
 const admin = { token: '', head: 0, decisions: [], timer: null, error: null, probes: 0 };
 
-async function call(path) {
+// withHeaders: the answer as { body, headers } instead of the body alone.
+async function call(path, withHeaders = false) {
   const response = await fetch(new URL(path, document.baseURI), {
     headers: { Authorization: `Bearer ${admin.token}` },
     cache: 'no-store',
@@ -22,7 +23,8 @@ async function call(path) {
     error.status = response.status;
     throw error;
   }
-  return response.json();
+  const body = await response.json();
+  return withHeaders ? { body, headers: response.headers } : body;
 }
 
 function short(ms) {
@@ -92,13 +94,17 @@ function renderDecisions() {
 
 async function refresh() {
   try {
-    const [list, page] = await Promise.all([
-      call('v1/admin/conversations'),
+    const [{ body: list, headers }, page] = await Promise.all([
+      call('v1/admin/conversations', true),
       call(`v1/admin/supervision?since=${admin.head}`),
     ]);
     admin.head = page.head;
     admin.decisions = admin.decisions.concat(page.decisions).slice(-KEEP_DECISIONS);
-    admin.error = null;
+    // Cluster mode: nodes that did not answer the node this page asked.
+    const missing = headers.get('Linger-Unanswered-Nodes');
+    admin.error = missing
+      ? `Not listed: the conversations of node ${missing.split(',').join(', ')} (did not answer in time).`
+      : null;
     renderConversations(list);
     renderDecisions();
   } catch (e) {

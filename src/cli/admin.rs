@@ -34,6 +34,34 @@ pub struct Active {
     pub node: Option<String>,
 }
 
+/// The active conversations, and the nodes (cluster mode) that did not
+/// answer the node asked, whose conversations are missing.
+#[derive(Debug, Clone, Default)]
+pub struct ActiveList {
+    pub conversations: Vec<Active>,
+    pub unanswered: Vec<String>,
+}
+
+impl ActiveList {
+    /// What to tell the operator about missing nodes, if any.
+    pub fn missing(&self) -> Option<String> {
+        not_listed(&self.unanswered)
+    }
+}
+
+/// What to tell the operator about the nodes a list lacks, if any.
+pub fn not_listed(unanswered: &[String]) -> Option<String> {
+    (!unanswered.is_empty()).then(|| {
+        format!(
+            "not listed: the conversations of node {} (did not answer in time)",
+            unanswered.join(", ")
+        )
+    })
+}
+
+/// The header naming the nodes that did not answer a cluster-wide list.
+const UNANSWERED_NODES: &str = "linger-unanswered-nodes";
+
 /// The running turn; only its age is shown.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Turn {
@@ -94,18 +122,31 @@ pub struct RefusedKey {
 const ADMINS_ONLY: &str = "(admins only: is the token an admin's?)";
 
 impl Client {
-    pub async fn active(&self) -> anyhow::Result<Vec<Active>> {
-        let value = self.active_json().await?;
-        serde_json::from_value(value).context("the server sent an unexpected list")
+    pub async fn active(&self) -> anyhow::Result<ActiveList> {
+        let (value, unanswered) = self.active_json().await?;
+        let conversations =
+            serde_json::from_value(value).context("the server sent an unexpected list")?;
+        Ok(ActiveList {
+            conversations,
+            unanswered,
+        })
     }
 
-    /// `GET /v1/admin/conversations` as the server sent it.
-    pub async fn active_json(&self) -> anyhow::Result<Value> {
-        self.request(
-            self.http.get(self.url("/v1/admin/conversations")),
-            &format!("listing active conversations {ADMINS_ONLY}"),
-        )
-        .await
+    /// `GET /v1/admin/conversations` as the server sent it, and the nodes
+    /// whose conversations it lacks (cluster mode).
+    pub async fn active_json(&self) -> anyhow::Result<(Value, Vec<String>)> {
+        let (value, headers) = self
+            .request_with_headers(
+                self.http.get(self.url("/v1/admin/conversations")),
+                &format!("listing active conversations {ADMINS_ONLY}"),
+            )
+            .await?;
+        let unanswered = headers
+            .get(UNANSWERED_NODES)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.split(',').map(str::to_owned).collect())
+            .unwrap_or_default();
+        Ok((value, unanswered))
     }
 
     pub async fn decisions(&self, since: u64) -> anyhow::Result<DecisionPage> {

@@ -101,12 +101,22 @@ impl Client {
     }
 
     async fn request(&self, request: reqwest::RequestBuilder, what: &str) -> anyhow::Result<Value> {
+        Ok(self.request_with_headers(request, what).await?.0)
+    }
+
+    /// As `request`, with the response's headers.
+    async fn request_with_headers(
+        &self,
+        request: reqwest::RequestBuilder,
+        what: &str,
+    ) -> anyhow::Result<(Value, reqwest::header::HeaderMap)> {
         let response = request
             .bearer_auth(&self.token)
             .send()
             .await
             .map_err(|e| anyhow!("cannot reach {}: {}", self.base, plain(&e)))?;
         let status = response.status();
+        let headers = response.headers().clone();
         let body = response.text().await.unwrap_or_default();
         let value: Value = if body.is_empty() {
             Value::Null
@@ -114,7 +124,7 @@ impl Client {
             serde_json::from_str(&body).unwrap_or(Value::String(body))
         };
         if status.is_success() {
-            return Ok(value);
+            return Ok((value, headers));
         }
         let message = value["error"]["message"]
             .as_str()

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 
-use super::admin::{active_table, Active, RecentDecisions};
+use super::admin::{active_table, ActiveList, RecentDecisions};
 use super::{Client, Remote};
 
 #[derive(clap::Args, Debug)]
@@ -61,7 +61,7 @@ async fn refresh(
     client: &Client,
     recent: &mut RecentDecisions,
     keep: usize,
-) -> anyhow::Result<Vec<Active>> {
+) -> anyhow::Result<ActiveList> {
     let list = client.active().await?;
     recent.add(client.decisions(recent.head).await?, keep);
     Ok(list)
@@ -70,19 +70,24 @@ async fn refresh(
 /// Clears the screen and draws the header, the table and the decisions.
 fn draw(
     url: &str,
-    list: &[Active],
+    listed: &ActiveList,
     recent: &RecentDecisions,
     problem: Option<&str>,
 ) -> std::io::Result<()> {
     let now = SystemTime::now();
+    let list = &listed.conversations;
     let mut out = String::from("\x1b[H\x1b[2J");
     out.push_str(&format!(
         "linger top  {url}  {} active  {}  (q quits)\n",
         list.len(),
         humantime::format_rfc3339_seconds(now)
     ));
-    if let Some(problem) = problem {
-        out.push_str(&format!("[linger] {problem}\n"));
+    for line in problem
+        .into_iter()
+        .map(str::to_owned)
+        .chain(listed.missing())
+    {
+        out.push_str(&format!("[linger] {line}\n"));
     }
     out.push('\n');
     if list.is_empty() {

@@ -287,7 +287,7 @@ impl Server {
             shutdown: sockets_stop.clone(),
             sockets: sockets.clone(),
             next_connection,
-            node: cluster.as_ref().map(|c| Arc::from(c.node.as_str())),
+            cluster: cluster.clone(),
             connections: Default::default(),
             auth: Arc::new(auth),
             decisions,

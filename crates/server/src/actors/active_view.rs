@@ -1,17 +1,19 @@
 //! What an operator sees of one active conversation
 //! (`GET /v1/admin/conversations`, `linger ps`): read from its gauge by the
-//! supervisor, without asking the conversation.
+//! supervisor, without asking the conversation. In cluster mode the same
+//! view travels between nodes, so it reads back as it was written.
 
+use std::borrow::Cow;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::gauge::ConversationGauge;
 use crate::protocol::StopReason;
 
-/// One active conversation on this node.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+/// One active conversation, on this node or (cluster mode) another.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ActiveConversation {
     #[schema(example = "c_01JDX9Q8ZK3M4T5V6W7X8Y9Z0A")]
     pub id: String,
@@ -19,10 +21,10 @@ pub struct ActiveConversation {
     pub user: String,
     /// `running`, `waiting` (on a client tool result) or `idle`.
     #[schema(value_type = String, example = "running")]
-    pub status: &'static str,
+    pub status: Cow<'static, str>,
     /// Set while it is being stopped: the reason (`idle`, `user_limit`, …).
     #[schema(value_type = Option<String>)]
-    pub stopping: Option<&'static str>,
+    pub stopping: Option<Cow<'static, str>>,
     /// Connections attached now.
     pub attached: usize,
     /// When its last event was recorded (RFC 3339, UTC).
@@ -35,11 +37,11 @@ pub struct ActiveConversation {
     /// Messages waiting for the running turn to end.
     pub queued: usize,
     pub replay_buffer: BufferView,
-    /// Cluster mode: the node that owns it (this one); absent otherwise.
+    /// Cluster mode: the node that runs it; absent otherwise.
     pub node: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TurnView {
     #[schema(example = "t_01JDX9R2J5W8QH3M4N5P6Q7R8S")]
     pub id: String,
@@ -49,7 +51,7 @@ pub struct TurnView {
 }
 
 /// The replay buffer: the newest events kept in memory for fast replays.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct BufferView {
     pub events: usize,
     pub bytes: usize,
@@ -74,8 +76,8 @@ pub fn view(
     ActiveConversation {
         id: id.to_owned(),
         user: user.to_owned(),
-        status: gauge.status().as_str(),
-        stopping: stopping.map(|r| r.as_str()),
+        status: Cow::Borrowed(gauge.status().as_str()),
+        stopping: stopping.map(|r| Cow::Borrowed(r.as_str())),
         attached: gauge.attached(),
         last_activity_at: rfc3339(last_activity),
         active_since: rfc3339(now.checked_sub(active_for).unwrap_or(now)),
@@ -125,7 +127,7 @@ mod tests {
             Duration::from_secs(60),
             Some("n1"),
         );
-        assert_eq!((v.status, v.attached, v.queued), ("running", 2, 1));
+        assert_eq!((v.status.as_ref(), v.attached, v.queued), ("running", 2, 1));
         assert_eq!((v.replay_buffer.events, v.replay_buffer.bytes), (7, 900));
         let turn = v.turn.expect("a turn");
         assert_eq!(turn.id, "t_1");
@@ -141,6 +143,31 @@ mod tests {
             None,
         );
         assert!(v.turn.is_none());
-        assert_eq!(v.stopping, Some("idle"));
+        assert_eq!(v.stopping.as_deref(), Some("idle"));
+    }
+
+    /// Another node's list reads back as that node wrote it.
+    #[test]
+    fn reads_back_as_written() {
+        let gauge = ConversationGauge::default();
+        gauge.publish(Status::Waiting, 1, std::time::Instant::now());
+        gauge.set_turn(Some(TurnStamp {
+            id: Arc::from("t_2"),
+            started: SystemTime::now(),
+        }));
+        let written = view(
+            "c_2",
+            "bob",
+            &gauge,
+            Some(StopReason::UserLimit),
+            Duration::from_secs(5),
+            Some("n2"),
+        );
+        let json = serde_json::to_value(&written).expect("a view serializes");
+        let read: ActiveConversation =
+            serde_json::from_value(json.clone()).expect("and reads back");
+        assert_eq!(serde_json::to_value(&read).expect("again"), json);
+        assert_eq!(read.stopping.as_deref(), Some("user_limit"));
+        assert_eq!(read.node.as_deref(), Some("n2"));
     }
 }

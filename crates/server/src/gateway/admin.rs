@@ -1,10 +1,13 @@
 //! The operators' endpoints (protocol §2), admins only: everyone else gets
 //! 404, as if they did not exist. What runs now
-//! (`GET /v1/admin/conversations`), the recent supervision decisions
+//! (`GET /v1/admin/conversations`, on every node in cluster mode), the
+//! recent supervision decisions
 //! (`GET /v1/admin/supervision`), and a live reload of the configuration
 //! (`POST /v1/admin/reload`).
 
 use axum::extract::{Query, State};
+use axum::http::HeaderValue;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use utoipa::IntoParams;
@@ -15,8 +18,13 @@ use super::rest::ApiError;
 use super::AppState;
 use crate::actors::active_view::ActiveConversation;
 use crate::actors::supervision_log::Page;
-use crate::actors::supervisor::{SupervisorMsg, Unanswered, CALL_TIMEOUT};
+use crate::actors::supervisor::list_active;
+use crate::cluster::remote::listing;
 use crate::reload::{ReloadError, ReloadOutcome, Trigger};
+
+/// Response header of a cluster-wide admin list that lacks the
+/// conversations of some live nodes: their ids, comma-separated.
+pub const UNANSWERED_NODES: &str = "linger-unanswered-nodes";
 
 /// Most decisions one `/v1/admin/supervision` call returns.
 const MAX_DECISIONS_PAGE: usize = 1000;
@@ -29,31 +37,42 @@ fn admin_only(caller: &Caller) -> Result<(), ApiError> {
     }
 }
 
-/// Every conversation active on this node, with what an operator needs
-/// to see: status, attached connections, last activity, the running turn
-/// and its age, queued messages, the replay buffer and (cluster mode) the
-/// owning node. Admins only.
+/// Every active conversation, with what an operator needs to see: status,
+/// attached connections, last activity, the running turn and its age,
+/// queued messages, the replay buffer and (cluster mode) the node that runs
+/// it. In cluster mode the node asked lists every live node's
+/// conversations: it asks the others, waits at most
+/// [`listing::LIST_TIMEOUT`] for each, and names those that did not answer
+/// in the `Linger-Unanswered-Nodes` header. Admins only.
 #[utoipa::path(get, path = "/v1/admin/conversations", tag = "admin",
     security(("bearer" = [])),
     responses(
-        (status = 200, description = "The conversations active on this node, by user then id",
-            body = Vec<ActiveConversation>),
+        (status = 200, description = "The active conversations (in cluster mode, on every live \
+            node), by user then id",
+            body = Vec<ActiveConversation>,
+            headers(("Linger-Unanswered-Nodes" = String,
+                description = "Cluster mode, when some live nodes did not answer within 2 s: \
+                    their ids, comma-separated; their conversations are not in the list"))),
         (status = 401, description = "Missing or invalid token", body = ErrorBody),
         (status = 404, description = "The caller is not an admin", body = ErrorBody),
     ))]
 pub async fn conversations(
     State(app): State<AppState>,
     caller: Caller,
-) -> Result<Json<Vec<ActiveConversation>>, ApiError> {
+) -> Result<Response, ApiError> {
     admin_only(&caller)?;
-    let listed = app
-        .supervisor
-        .call(
-            |reply| SupervisorMsg::ListActive { reply },
-            Some(CALL_TIMEOUT),
-        )
-        .await;
-    Ok(Json(Unanswered::check(listed)?))
+    let own = list_active(&app.supervisor).await?;
+    let Some(cluster) = &app.cluster else {
+        return Ok(Json(own).into_response());
+    };
+    let list = listing::gather(cluster, own).await;
+    let mut response = Json(list.conversations).into_response();
+    if !list.unanswered.is_empty() {
+        if let Ok(value) = HeaderValue::from_str(&list.unanswered.join(",")) {
+            response.headers_mut().insert(UNANSWERED_NODES, value);
+        }
+    }
+    Ok(response)
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -22,6 +22,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::actors::supervision_log::SupervisionLog;
 use crate::actors::supervisor::SupervisorMsg;
+use crate::cluster::node::ClusterNode;
 use crate::config::LiveConfig;
 use crate::reload::Reloader;
 use crate::store::Store;
@@ -41,8 +42,9 @@ pub struct AppState {
     pub next_connection: Arc<AtomicU64>,
     pub connections: connections::ConnectionCounter,
     pub auth: Arc<auth::Authenticator>,
-    /// Cluster mode: this node's id (shown by `/healthz`).
-    pub node: Option<Arc<str>>,
+    /// Cluster mode: this node (its id is shown by `/healthz`; the admin
+    /// list asks the other nodes through it).
+    pub cluster: Option<Arc<ClusterNode>>,
     /// The recent supervision decisions (`GET /v1/admin/supervision`).
     pub decisions: Arc<SupervisionLog>,
     /// `POST /v1/admin/reload`.

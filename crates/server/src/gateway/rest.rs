@@ -403,9 +403,9 @@ pub async fn healthz(State(app): State<AppState>) -> Response {
     // Cluster mode names the node, so that an operator behind a load
     // balancer knows which one answered.
     let node = app
-        .node
-        .as_deref()
-        .map(|n| format!("node {n}\n"))
+        .cluster
+        .as_ref()
+        .map(|c| format!("node {}\n", c.node))
         .unwrap_or_default();
     match app.store.health() {
         Ok(()) => format!("ok\n{node}").into_response(),

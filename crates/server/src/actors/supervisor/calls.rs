@@ -10,6 +10,7 @@ use ractor::rpc::CallResult;
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 
 use super::SupervisorMsg;
+use crate::actors::active_view::ActiveConversation;
 use crate::actors::conversation::ConversationMsg;
 use crate::protocol::ErrorCode;
 use crate::store::StoreError;
@@ -93,6 +94,19 @@ impl From<Unanswered> for ActivateError {
             Unanswered::Gone => ActivateError::ShuttingDown,
         }
     }
+}
+
+/// The conversations active on this node, as the admin list shows them.
+pub async fn list_active(
+    supervisor: &ActorRef<SupervisorMsg>,
+) -> Result<Vec<ActiveConversation>, Unanswered> {
+    let listed = supervisor
+        .call(
+            |reply| SupervisorMsg::ListActive { reply },
+            Some(CALL_TIMEOUT),
+        )
+        .await;
+    Unanswered::check(listed)
 }
 
 /// The outcome of a `Create` or `Activate` call, an unanswered call

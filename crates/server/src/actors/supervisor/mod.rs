@@ -57,7 +57,8 @@ use crate::store::{Store, StoreError};
 
 pub use activation::Found;
 pub use calls::{
-    activation_reply, ActivateError, ActivateReply, Activated, Unanswered, CALL_TIMEOUT,
+    activation_reply, list_active, ActivateError, ActivateReply, Activated, Unanswered,
+    CALL_TIMEOUT,
 };
 pub use creation::{create_conversation, Creation};
 pub use metrics::METRICS_EVERY;

@@ -27,7 +27,7 @@ use super::{Subjects, COUNTER, KEEPALIVE_EVERY, MOVED, ROUTE_TIMEOUT};
 use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
 use crate::actors::conversation::{Announce, ConversationMsg, DetachCause};
 use crate::actors::outbound::{self, Outbound, OutboundReceiver};
-use crate::actors::supervisor::{ActivateError, SupervisorMsg, CALL_TIMEOUT};
+use crate::actors::supervisor::{list_active, ActivateError, SupervisorMsg, CALL_TIMEOUT};
 use crate::config::LiveConfig;
 use crate::protocol::ErrorCode;
 
@@ -129,6 +129,10 @@ impl Host {
             "stop" => {
                 let host = self.clone();
                 tokio::spawn(async move { host.stop(message).await });
+            }
+            "list" => {
+                let host = self.clone();
+                tokio::spawn(async move { host.list(message).await });
             }
             other => debug!(subject = other, "unknown node-to-node subject"),
         }
@@ -312,6 +316,19 @@ impl Host {
                 .await;
         }
         self.respond(&message, b"{}".to_vec()).await;
+    }
+
+    /// The conversations this node runs, for another node's admin list.
+    /// Unanswered when the supervisor cannot say in time: the asking node
+    /// then names this one as not answering, which is the truth.
+    async fn list(&self, message: async_nats::Message) {
+        match list_active(&self.supervisor).await {
+            Ok(list) => match serde_json::to_vec(&list) {
+                Ok(body) => self.respond(&message, body).await,
+                Err(e) => warn!(error = %e, "the admin list could not be written"),
+            },
+            Err(e) => debug!(error = %e, "no admin list for another node"),
+        }
     }
 
     /// A socket node's routes: those it still holds are kept; one whose

@@ -28,6 +28,8 @@
 //!   node died).
 //! - `<p>.node.<owner>.stop`: request; stops the conversation there
 //!   (`close`, delete) and answers once it has stopped.
+//! - `<p>.node.<node>.list`: request; answered with the conversations
+//!   that node runs, for the cluster-wide admin list ([`listing`]).
 //! - `<p>.route.<socket node>.<route>`: the frames of one attachment, in
 //!   order, each with a [`COUNTER`] header; an empty payload ends the
 //!   route (the owner detached it).
@@ -58,6 +60,7 @@
 //!   route frame that is not UTF-8 ends the route.
 
 pub mod host;
+pub mod listing;
 pub mod proxy;
 pub mod wire;
 
@@ -98,6 +101,10 @@ impl Subjects {
     }
     pub fn stop(&self, owner: &str) -> String {
         format!("{}.node.{owner}.stop", self.prefix)
+    }
+    /// Asks `node` for the conversations it runs (the admin list).
+    pub fn list(&self, node: &str) -> String {
+        format!("{}.node.{node}.list", self.prefix)
     }
     /// Everything addressed to `node` as owner.
     pub fn node_all(&self, node: &str) -> String {
