@@ -30,6 +30,9 @@
 //! - `a_command_lost_between_nodes_ends_the_attachment_moved`: a command
 //!   lost between two nodes ends the attachment `moved` instead of leaving
 //!   its sender waiting (§10.3).
+//! - `an_attach_to_a_just_killed_owner_is_answered_moved_once`: an attach
+//!   sent to an owner that died a moment ago waits for its heartbeat to
+//!   age out, so one `moved` is enough (§10.3, §10.4).
 //!
 //! Each test starts its own NATS server and nodes on free ports, each node
 //! with its own temporary `store.path`. Synchronization is on frames, on log
@@ -1382,4 +1385,42 @@ async fn a_node_restarted_under_its_id_gives_up_its_earlier_run_at_once() {
 
     let last = seq(seen.last().expect("deltas were seen"));
     resumed_with_a_turn(a, &id, last, "after the restart").await;
+}
+
+/// §10.3, §10.4: an attach through B to a conversation whose owner A was
+/// killed a moment ago. A's heartbeat has not aged out, so B still sends
+/// the attach to A; nobody answers, and B waits until A's heartbeat is
+/// gone before it answers `detached moved`. So the client, attaching
+/// again, finds the conversation claimable: one `moved`, not a loop of
+/// them. It resumes with no gap and a turn runs on B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_to_a_just_killed_owner_is_answered_moved_once() {
+    // Long enough that A's heartbeat outlives the kill by seconds, however
+    // busy the machine: the attach below reaches B while A looks alive.
+    const LEASE_SECS: u64 = 6;
+    let mut cluster = Cluster::start_with_lease(2, LEASE_SECS, "").await;
+    let mut on_a = cluster.nodes[0].connect(USER).await;
+    let id = on_a.create().await;
+    on_a.send_message(&id, "before the kill").await;
+    let last = seq(on_a.events_until_turn_finished(&id).await.last().unwrap());
+    let mut on_b = cluster.nodes[1].connect(USER).await;
+
+    cluster.nodes[0].server.kill9();
+    let reply = on_b
+        .request(serde_json::json!({"type": "attach", "conversation_id": id,
+            "last_seq": last, "mode": "control"}))
+        .await;
+    assert_eq!(reply["type"], "detached", "{reply}");
+    assert_eq!(reply["reason"], "moved", "{reply}");
+
+    // Attached again at once, on the same socket: no second `moved`.
+    let (_, mut resumed) = resume(&mut on_b, &id, last).await;
+    let ack = on_b.send_message(&id, "after the kill").await;
+    resumed.extend(read_turn_of(&mut on_b, &id, ack["seq"].as_u64().unwrap()).await);
+    assert_contiguous(&resumed, last + 1);
+    assert!(
+        has_agent_stopped(&resumed, "node_lost"),
+        "the takeover is recorded: {resumed:#?}"
+    );
+    assert_eq!(resumed.last().unwrap()["data"]["status"], "completed");
 }
