@@ -33,6 +33,8 @@
 //! - `an_attach_to_a_just_killed_owner_is_answered_moved_once`: an attach
 //!   sent to an owner that died a moment ago waits for its heartbeat to
 //!   age out, so one `moved` is enough (§10.3, §10.4).
+//! - `a_node_of_another_cluster_version_is_refused_at_start`: builds that
+//!   would misread each other are never mixed in one cluster.
 //!
 //! Each test starts its own NATS server and nodes on free ports, each node
 //! with its own temporary `store.path`. Synchronization is on frames, on log
@@ -880,14 +882,29 @@ async fn send_until_accepted(
     text: &str,
     deadline: Instant,
 ) -> Value {
+    let message = serde_json::json!({"type": "message", "conversation_id": id, "text": text});
+    until_accepted(client, message, "ack", deadline).await
+}
+
+/// Sends `frame` until its reply is of type `accepted`, retrying after a
+/// pause as the protocol tells clients to: only `store_unavailable`
+/// refusals (and, to an attach, `detached moved`: the owner did not answer
+/// in time) are allowed, and only until `deadline`.
+async fn until_accepted(
+    client: &mut Client,
+    frame: Value,
+    accepted: &str,
+    deadline: Instant,
+) -> Value {
     loop {
-        let reply = client
-            .request(serde_json::json!({"type": "message", "conversation_id": id, "text": text}))
-            .await;
-        if reply["type"] == "ack" {
+        let reply = client.request(frame.clone()).await;
+        if reply["type"] == accepted {
             return reply;
         }
-        assert_eq!(reply["code"], "store_unavailable", "{reply}");
+        let moved = reply["type"] == "detached" && reply["reason"] == "moved";
+        if !(moved && frame["type"] == "attach") {
+            assert_eq!(reply["code"], "store_unavailable", "{reply}");
+        }
         assert!(Instant::now() < deadline, "still refused: {reply}");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -948,9 +965,14 @@ async fn one_nats_server_of_three_lost_the_service_goes_on() {
 
     cluster.nats.kill(0);
     let mut on_b = cluster.nodes[1].connect(USER).await;
-    let (_, _) = resume(&mut on_b, &id, 0).await;
     let deadline = Instant::now() + RECV_TIMEOUT;
-    // A leader election may refuse an append for a moment.
+    // A leader election (and the nodes connected to the dead server
+    // reconnecting) may refuse a read or an append for a moment.
+    let attach = serde_json::json!({"type": "attach", "conversation_id": id, "last_seq": 0,
+        "mode": "control"});
+    let attached = until_accepted(&mut on_b, attach, "attached", deadline).await;
+    let head = attached["head_seq"].as_u64().expect("a head_seq");
+    assert_contiguous(&on_b.events(&id, head as usize).await, 1);
     let ack = send_until_accepted(&mut on_b, &id, "after", deadline).await;
     let message_seq = ack["seq"].as_u64().expect("a seq");
     let seen = read_turn_of(&mut on_b, &id, message_seq).await;
@@ -970,18 +992,24 @@ async fn one_nats_server_of_three_lost_the_service_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_older_than_2_11_is_refused_at_start() {
     let port = common::nats::fake_server("2.10.22").await;
-    let (_dir, store) = common::process::temp_store();
     let toml = format!("[cluster]\nmode = \"nats\"\nnats_urls = [\"nats://127.0.0.1:{port}\"]\n");
-    let (status, stderr) = tokio::task::spawn_blocking(move || {
-        common::process::serve_refused_with(&store, "127.0.0.1:0", &toml)
-    })
-    .await
-    .expect("the refused start");
+    let (status, stderr) = refused_start(toml).await;
     assert!(!status.success(), "{stderr}");
     assert!(
         stderr.contains("2.10.22") && stderr.contains("2.11") && stderr.contains("too old"),
         "{stderr}"
     );
+}
+
+/// Starts a node with `toml` on a fresh store, expecting it to refuse:
+/// its exit status and what it wrote on stderr.
+async fn refused_start(toml: String) -> (std::process::ExitStatus, String) {
+    let (_dir, store) = common::process::temp_store();
+    tokio::task::spawn_blocking(move || {
+        common::process::serve_refused_with(&store, "127.0.0.1:0", &toml)
+    })
+    .await
+    .expect("the refused start")
 }
 
 /// Protocol §10.4: a message queued behind a running turn survives the
@@ -1058,7 +1086,7 @@ async fn the_admin_list_shows_every_node_s_conversations() {
         assert!(rows.iter().all(|c| c["user"] == USER), "{listed:#}");
     }
 
-    b.server.signal("STOP");
+    b.server.pause();
     let (status, listed, unanswered) = admin_list(a).await;
     // The terminal client says so too.
     let (ps, _, ps_err) = common::run_client(&a.server.http_url(""), "ops", &["ps"]).await;
@@ -1423,4 +1451,56 @@ async fn an_attach_to_a_just_killed_owner_is_answered_moved_once() {
         "the takeover is recorded: {resumed:#?}"
     );
     assert_eq!(resumed.last().unwrap()["data"]["status"], "completed");
+}
+
+/// A node refuses to join a cluster where a live node speaks another
+/// version of what nodes say to each other (a rolling restart onto a build
+/// that the running nodes would misread), naming that node, and writes
+/// nothing: the running node goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_another_cluster_version_is_refused_at_start() {
+    // The heartbeat written below must outlive the refused start.
+    let cluster = Cluster::start_with_lease(1, LONG_LEASE_SECS, "").await;
+    let nats = async_nats::connect(cluster.nats.url(0))
+        .await
+        .expect("connect to NATS");
+    let heartbeats = async_nats::jetstream::new(nats)
+        .get_key_value("LINGER_leases")
+        .await
+        .expect("the heartbeat bucket the running node made");
+    heartbeats
+        .put("n.tn-other", r#"{"incarnation":"x","wire":999}"#.into())
+        .await
+        .expect("a heartbeat of another version");
+
+    let urls = cluster
+        .nats
+        .urls()
+        .iter()
+        .map(|u| format!("{u:?}"))
+        .collect::<Vec<_>>();
+    let toml = format!(
+        "[cluster]\nmode = \"nats\"\nnats_urls = [{}]\nnode_id = \"tn-new\"\n",
+        urls.join(", ")
+    );
+    let (status, stderr) = refused_start(toml).await;
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("node tn-other") && stderr.contains("version 999"),
+        "{stderr}"
+    );
+    assert!(
+        heartbeats
+            .get("n.tn-new")
+            .await
+            .expect("read the bucket")
+            .is_none(),
+        "the refused node announced itself"
+    );
+
+    let a = &cluster.nodes[0];
+    let mut client = a.connect(USER).await;
+    let id = client.create().await;
+    client.send_message(&id, "still serving").await;
+    client.events_until_turn_finished(&id).await;
 }

@@ -163,6 +163,34 @@ impl ServerProcess {
         assert!(status.success(), "kill -{signal} {} failed", self.pid);
     }
 
+    /// SIGSTOP, and wait until the kernel shows every thread stopped
+    /// (state `T` in each `/proc/PID/task/TID/stat`): a stop takes effect
+    /// as each thread gets a CPU, which on a busy machine is not at once.
+    pub fn pause(&self) {
+        self.signal("STOP");
+        let deadline = std::time::Instant::now() + RECV_TIMEOUT;
+        while !self.all_threads_stopped() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "linger {} not stopped within {RECV_TIMEOUT:?}",
+                self.pid
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn all_threads_stopped(&self) -> bool {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid)) else {
+            return false;
+        };
+        tasks.filter_map(Result::ok).all(|task| {
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+            // The state follows the command name, which is in parentheses.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+        })
+    }
+
     /// Waits for the process to exit (at most `within`).
     pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
         if let Some(status) = self.exited {

@@ -19,6 +19,11 @@
 //! [`Departure`], whose conversations the survivors take over. What the
 //! watch has not shown yet (this node just started) is asked of the bucket's
 //! leader. None of this decides who may append: the fence does.
+//!
+//! A heartbeat also says which [`WIRE_VERSION`] its node speaks. A node
+//! refuses to join a cluster where a live node speaks another one
+//! ([`Liveness::refuse_other_versions`]): builds whose nodes cannot
+//! understand each other are never mixed by a rolling restart.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,12 +31,28 @@ use std::sync::{Arc, Mutex};
 use async_nats::jetstream::kv::{self, Operation, UpdateErrorKind};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
+use tracing::error;
 
-use super::{check_token, with_deadline, Cluster, ClusterError};
+use super::{check_token, kv_keys, with_deadline, Cluster, ClusterError};
+
+/// The version of what nodes say to each other: the subjects and messages
+/// between nodes, heartbeats, ownership and activity records, and the
+/// events stream's layout. Raised by any change that a node of the earlier
+/// build would misread; a change that earlier nodes can ignore safely (a
+/// new request they leave unanswered) keeps it.
+pub const WIRE_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Heartbeat {
     incarnation: String,
+    /// Absent in the heartbeats of builds before the field: they speak
+    /// version 1.
+    #[serde(default = "first_wire_version")]
+    wire: u32,
+}
+
+fn first_wire_version() -> u32 {
+    1
 }
 
 /// What this node last saw of another node's heartbeat.
@@ -104,6 +125,7 @@ impl Liveness {
     fn value(&self) -> Result<bytes::Bytes, ClusterError> {
         serde_json::to_vec(&Heartbeat {
             incarnation: self.incarnation.clone(),
+            wire: WIRE_VERSION,
         })
         .map(Into::into)
         .map_err(|e| ClusterError::Corrupt(e.to_string()))
@@ -181,9 +203,44 @@ impl Liveness {
         .await
     }
 
+    /// Refuses to join when a live node speaks another [`WIRE_VERSION`]:
+    /// called before this node announces itself, so a refused node has
+    /// written nothing. A heartbeat under this node's own id is an earlier
+    /// run that this one replaces, not a node to agree with.
+    pub async fn refuse_other_versions(&self) -> Result<(), ClusterError> {
+        let keys = kv_keys(
+            &self.kv,
+            "n.*",
+            self.cluster.options.op_timeout,
+            "listing node heartbeats",
+        )
+        .await?;
+        for node in keys.iter().filter_map(|k| k.strip_prefix("n.")) {
+            if node == self.node {
+                continue;
+            }
+            match self.heartbeat(node).await? {
+                Some(h) if h.wire != WIRE_VERSION => {
+                    return Err(ClusterError::OtherVersion {
+                        node: node.to_owned(),
+                        theirs: h.wire,
+                        ours: WIRE_VERSION,
+                    })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// The incarnation a node's heartbeat names, as the bucket's leader
     /// has it (`None`: no live heartbeat).
     async fn read(&self, node: &str) -> Result<Option<String>, ClusterError> {
+        Ok(self.heartbeat(node).await?.map(|h| h.incarnation))
+    }
+
+    /// A node's heartbeat as the bucket's leader has it.
+    async fn heartbeat(&self, node: &str) -> Result<Option<Heartbeat>, ClusterError> {
         let got = super::leader_entry(
             &self.kv,
             &key(node),
@@ -194,7 +251,7 @@ impl Liveness {
         match got {
             None => Ok(None),
             Some((value, _)) => serde_json::from_slice::<Heartbeat>(&value)
-                .map(|h| Some(h.incarnation))
+                .map(Some)
                 .map_err(|e| ClusterError::Corrupt(format!("heartbeat of {node}: {e}"))),
         }
     }
@@ -245,7 +302,20 @@ impl Liveness {
             }
             let now = match entry.operation {
                 Operation::Put => match serde_json::from_slice::<Heartbeat>(&entry.value) {
-                    Ok(h) => NodeState::Alive(h.incarnation),
+                    Ok(h) => {
+                        if h.wire != WIRE_VERSION {
+                            // It started in the moment between this node's
+                            // check and its heartbeat, or does not check.
+                            error!(
+                                node,
+                                theirs = h.wire,
+                                ours = WIRE_VERSION,
+                                "a node of another version joined the cluster: nodes of \
+                                 different versions misread each other; stop it"
+                            );
+                        }
+                        NodeState::Alive(h.incarnation)
+                    }
                     Err(_) => return Ok(()),
                 },
                 Operation::Delete | Operation::Purge => NodeState::Gone,
@@ -273,5 +343,20 @@ impl Liveness {
             }
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Heartbeats of builds from before the version field speak version 1.
+    #[test]
+    fn a_heartbeat_without_a_version_is_version_1() {
+        let old: Heartbeat = serde_json::from_str(r#"{"incarnation":"x"}"#).expect("parses");
+        assert_eq!(old.wire, 1);
+        let new: Heartbeat =
+            serde_json::from_str(r#"{"incarnation":"x","wire":7}"#).expect("parses");
+        assert_eq!(new.wire, 7);
     }
 }

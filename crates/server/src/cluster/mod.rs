@@ -88,6 +88,18 @@ pub enum ClusterError {
          leader change), which would let two nodes write the same seq"
     )]
     ServerTooOld { version: String },
+    /// A live node of the cluster speaks another version of what nodes say
+    /// to each other: this build must not join it.
+    #[error(
+        "node {node} of this cluster speaks cluster version {theirs} and this build speaks \
+         {ours}: nodes of different versions cannot share a cluster; stop every node, then \
+         start them all on one build (README: \"Run a cluster\", upgrading)"
+    )]
+    OtherVersion {
+        node: String,
+        theirs: u32,
+        ours: u32,
+    },
     /// A stored message or value is not what linger writes.
     #[error("NATS data: {0}")]
     Corrupt(String),

@@ -244,8 +244,10 @@ impl Ownership {
         }
     }
 
-    /// Writes this node's heartbeat (at start, before any claim).
+    /// Writes this node's heartbeat (at start, before any claim), unless
+    /// a live node speaks another version of the cluster's wire.
     pub async fn announce(&self) -> Result<(), ClusterError> {
+        self.leases.liveness().refuse_other_versions().await?;
         let revision = self.leases.liveness().announce().await?;
         self.heartbeat.store(revision, Ordering::Relaxed);
         Ok(())
