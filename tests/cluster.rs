@@ -47,7 +47,7 @@ fn events(conversation: &str, from: u64, n: u64, tag: &str) -> Vec<Arc<EventReco
 }
 
 fn text(record: &EventRecord) -> String {
-    let v: serde_json::Value = serde_json::from_str(&record.data).unwrap();
+    let v: serde_json::Value = serde_json::from_str(record.data()).unwrap();
     v["text"].as_str().unwrap_or_default().to_owned()
 }
 

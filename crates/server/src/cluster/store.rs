@@ -481,7 +481,7 @@ impl Store for NatsStore {
             .await?
         {
             if &*e.kind == "user_message" {
-                let text = field(&e.data, "text").ok_or_else(|| {
+                let text = field(e.data(), "text").ok_or_else(|| {
                     StoreError::Backend(format!(
                         "conversation {id}: user_message {} has no text",
                         e.seq

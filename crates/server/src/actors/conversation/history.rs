@@ -10,7 +10,7 @@ impl State {
     pub(super) fn append(&mut self, data: EventData) -> u64 {
         let record = self.log.append(&data);
         self.last_activity = Instant::now();
-        self.last_activity_at = record.ts.clone();
+        self.last_activity_at = record.ts().to_owned();
         record.seq
     }
 

@@ -56,7 +56,7 @@ fn create_batch(id: &str, user: &str) -> AppendBatch {
         create: Some(NewConversation {
             user: user.into(),
             title: "hello".into(),
-            created_at: ev.ts.clone(),
+            created_at: ev.ts().to_owned(),
             close_delay: Some(Duration::from_secs(90)),
         }),
         events: vec![ev],

@@ -469,7 +469,13 @@ pub(super) fn append<'a>(
             "INSERT INTO events (conversation_id, seq, ts, kind, data) VALUES (?1, ?2, ?3, ?4, ?5)",
         )?;
         for ev in &batch.events {
-            stmt.execute(params![id, clamp_i64(ev.seq), ev.ts, &*ev.kind, ev.data])?;
+            stmt.execute(params![
+                id,
+                clamp_i64(ev.seq),
+                ev.ts(),
+                &*ev.kind,
+                ev.data()
+            ])?;
         }
     }
     if !batch.client_msg_ids.is_empty() {
