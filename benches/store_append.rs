@@ -142,6 +142,7 @@ fn batch(id: &Arc<str>, ev: Arc<EventRecord>) -> AppendBatch {
         },
         events: vec![ev],
         client_msg_ids: Vec::new(),
+        forget_client_msg_ids_before: 0,
     }
 }
 
@@ -181,6 +182,7 @@ async fn create_all(store: &SqliteStore, ids: &[Arc<str>]) {
                 },
                 events: vec![Arc::new(created), Arc::new(started)],
                 client_msg_ids: Vec::new(),
+                forget_client_msg_ids_before: 0,
             },
             Box::new(|r| r.expect("create")),
         );

@@ -92,6 +92,7 @@ pub fn close(
                 last_turn_message_seq: meta.last_turn_message_seq,
             },
             client_msg_ids: Vec::new(),
+            forget_client_msg_ids_before: 0,
         },
         Box::new(move |result| {
             let _ = tx.send(result);

@@ -84,7 +84,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use super::{check_token, with_deadline, Cluster, ClusterError};
+use super::{check_token, purge_subject, with_deadline, Cluster, ClusterError};
 use crate::event::{intern_kind, EventRecord};
 
 const TERM: &str = "Linger-Term";
@@ -614,19 +614,8 @@ impl EventLog {
     /// Removes a conversation's whole log.
     pub async fn delete(&self, conversation: &str) -> Result<(), ClusterError> {
         let subject = self.subject(conversation)?;
-        with_deadline(
-            self.cluster.options.op_timeout,
-            "deleting a log",
-            || async {
-                self.stream
-                    .purge()
-                    .filter(subject.clone())
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| ClusterError::Unavailable(e.to_string()))
-            },
-        )
-        .await
+        let timeout = self.cluster.options.op_timeout;
+        purge_subject(&self.stream, subject, timeout, "deleting a log").await
     }
 
     /// The conversation's first message at or after stream sequence `from`.

@@ -40,6 +40,7 @@ pub(super) struct Write {
     /// Agent credits the events hold, given back on the outcome.
     pub credits: usize,
     pub client_msg_ids: Vec<(String, u64)>,
+    pub forget_client_msg_ids_before: u64,
     /// The conversation's creation, with its first events.
     pub create: Option<NewConversation>,
     /// The epoch the write belongs to.
@@ -71,6 +72,8 @@ struct Batch {
     events: Vec<Arc<EventRecord>>,
     credits: usize,
     client_msg_ids: Vec<(String, u64)>,
+    /// Ids of messages before this seq left the window (0: none did).
+    forget_client_msg_ids_before: u64,
     create: Option<NewConversation>,
 }
 
@@ -148,9 +151,19 @@ impl Log {
         self.batch.credits += 1;
     }
 
-    /// The batch records that `client_msg_id` is the message at `seq`.
-    pub(super) fn add_client_msg_id(&mut self, client_msg_id: String, seq: u64) {
+    /// The batch records that `client_msg_id` is the message at `seq`,
+    /// and that the ids before `forget_before` left the window.
+    pub(super) fn add_client_msg_id(
+        &mut self,
+        client_msg_id: String,
+        seq: u64,
+        forget_before: Option<u64>,
+    ) {
         self.batch.client_msg_ids.push((client_msg_id, seq));
+        if let Some(before) = forget_before {
+            let forget = &mut self.batch.forget_client_msg_ids_before;
+            *forget = (*forget).max(before);
+        }
     }
 
     /// Takes the batch to hand to the store (`None`: it is empty). Its
@@ -163,6 +176,7 @@ impl Log {
             events,
             credits,
             client_msg_ids,
+            forget_client_msg_ids_before,
             create,
         } = std::mem::take(&mut self.batch);
         self.in_flight.extend(events.iter().cloned());
@@ -171,6 +185,7 @@ impl Log {
             events,
             credits,
             client_msg_ids,
+            forget_client_msg_ids_before,
             create,
             epoch: self.epoch,
         })
@@ -320,7 +335,7 @@ mod tests {
             close_delay: None,
         });
         let seq = log.append(&delta("hi")).seq;
-        log.add_client_msg_id("m1".into(), seq);
+        log.add_client_msg_id("m1".into(), seq, None);
         log.add_credit();
         log.add_credit();
         let write = log.take_batch().expect("a batch");

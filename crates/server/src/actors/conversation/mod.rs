@@ -17,6 +17,7 @@ mod cursor;
 mod history;
 mod lifecycle;
 mod log;
+mod msg_ids;
 mod replay_buffer;
 mod rule_timer;
 mod store_failure;
@@ -25,6 +26,7 @@ mod turns;
 use attachments::AttachAsk;
 use cursor::{Cursor, Rounds};
 use log::{DeferredReply, Log};
+use msg_ids::MsgIdLedger;
 use rule_timer::RuleTimer;
 
 use std::collections::{HashMap, VecDeque};
@@ -272,7 +274,8 @@ pub struct State {
     rounds: Rounds,
     turn: Option<Turn>,
     queue: VecDeque<QueuedMessage>,
-    seen_msg_ids: HashMap<String, u64>,
+    /// The window of recent `client_msg_id`s (`msg_ids.rs`).
+    seen_msg_ids: MsgIdLedger,
     last_turn_message_seq: u64,
     last_activity: Instant,
     last_activity_at: String,
@@ -345,7 +348,7 @@ impl Actor for Conversation {
             rounds: Rounds::default(),
             turn: None,
             queue: VecDeque::new(),
-            seen_msg_ids: HashMap::new(),
+            seen_msg_ids: MsgIdLedger::default(),
             last_turn_message_seq: 0,
             last_activity: Instant::now(),
             last_activity_at: now_rfc3339(),
@@ -402,7 +405,8 @@ impl Actor for Conversation {
                     state.resume = Some(turn);
                 }
                 state.queue.extend(queued);
-                state.seen_msg_ids.extend(client_msg_ids);
+                let window = state.config.get().conversations.client_msg_id_window;
+                state.seen_msg_ids = MsgIdLedger::restored(client_msg_ids, window);
                 state.last_turn_message_seq = meta.last_turn_message_seq;
                 state.close_orphaned_turn(
                     &meta,

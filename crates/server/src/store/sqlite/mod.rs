@@ -23,7 +23,8 @@
 //! (in the OS page cache) before its callback runs, which survives a SIGKILL
 //! of the process; only a power loss can take the last commits back.
 //!
-//! Files: `schema.rs` (tables, rows to types), `connections.rs` (opening
+//! Files: `schema.rs` (tables, rows to types), `migrate.rs` (the format
+//! version and the steps from earlier ones), `connections.rs` (opening
 //! connections, the read pool), `queries.rs` (reads), `writer.rs` (the
 //! writer thread and the writes), `checkpoint.rs`, `threads.rs`.
 //!
@@ -42,6 +43,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod checkpoint;
 mod connections;
+mod migrate;
 mod queries;
 mod schema;
 #[cfg(test)]
@@ -248,9 +250,14 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+    async fn snapshot(
+        &self,
+        id: &str,
+        tail: usize,
+        client_msg_ids: usize,
+    ) -> Result<Option<Snapshot>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| queries::snapshot(conn, &id, tail))
+        self.read(move |conn| queries::snapshot(conn, &id, tail, client_msg_ids))
             .await
     }
 
