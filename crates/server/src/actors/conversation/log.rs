@@ -93,16 +93,17 @@ pub(super) struct Log {
 }
 
 impl Log {
-    /// The log of a conversation with nothing committed yet; the buffer
-    /// starts with room for `buffer_capacity` events.
-    pub(super) fn new(conversation: Arc<str>, buffer_capacity: usize) -> Log {
+    /// The log of a conversation with nothing committed yet. Its buffer
+    /// starts empty and grows with the events it keeps: an idle
+    /// conversation does not pay for `replay_buffer_events` slots.
+    pub(super) fn new(conversation: Arc<str>) -> Log {
         Log {
             conversation,
             next_seq: 1,
             committed: 0,
             batch: Batch::default(),
             in_flight: VecDeque::new(),
-            buffer: ReplayBuffer::with_capacity(buffer_capacity),
+            buffer: ReplayBuffer::default(),
             waiting: VecDeque::new(),
             epoch: 0,
         }
@@ -266,7 +267,7 @@ mod tests {
     use super::*;
 
     fn log() -> Log {
-        Log::new(Arc::from("c_test"), 16)
+        Log::new(Arc::from("c_test"))
     }
 
     fn delta(text: &str) -> EventData {

@@ -330,7 +330,6 @@ impl Actor for Conversation {
             workspace: args.workspace.clone(),
             events: EventSink::new(Arc::new(myself.clone()), credits.clone()),
         });
-        let buffer_cap = args.config.get().conversations.replay_buffer_events;
         let mut state = State {
             id: args.id.clone(),
             user: args.user.clone(),
@@ -342,7 +341,7 @@ impl Actor for Conversation {
             gauge: args.gauge,
             session,
             credits,
-            log: Log::new(args.id.clone(), buffer_cap.min(4096)),
+            log: Log::new(args.id.clone()),
             flush_scheduled: false,
             attachments: HashMap::new(),
             rounds: Rounds::default(),

@@ -28,14 +28,6 @@ pub(super) struct ReplayBuffer {
 }
 
 impl ReplayBuffer {
-    /// An empty buffer with room for `capacity` events before it grows.
-    pub(super) fn with_capacity(capacity: usize) -> ReplayBuffer {
-        ReplayBuffer {
-            events: VecDeque::with_capacity(capacity),
-            bytes: 0,
-        }
-    }
-
     pub(super) fn len(&self) -> usize {
         self.events.len()
     }
