@@ -136,12 +136,13 @@ fn batch(id: &Arc<str>, ev: Arc<EventRecord>) -> AppendBatch {
         state: ConversationState {
             status: Status::Running,
             head_seq: ev.seq,
-            last_activity_at: ev.ts.clone(),
+            last_activity_at: ev.ts().to_owned(),
             current_turn_id: Some("t_01JBENCH0000000001".into()),
             last_turn_message_seq: 2,
         },
         events: vec![ev],
         client_msg_ids: Vec::new(),
+        forget_client_msg_ids_before: 0,
     }
 }
 
@@ -169,7 +170,7 @@ async fn create_all(store: &SqliteStore, ids: &[Arc<str>]) {
                 create: Some(NewConversation {
                     user: "bench".into(),
                     title: "bench".into(),
-                    created_at: created.ts.clone(),
+                    created_at: created.ts().to_owned(),
                     close_delay: None,
                 }),
                 state: ConversationState {
@@ -181,6 +182,7 @@ async fn create_all(store: &SqliteStore, ids: &[Arc<str>]) {
                 },
                 events: vec![Arc::new(created), Arc::new(started)],
                 client_msg_ids: Vec::new(),
+                forget_client_msg_ids_before: 0,
             },
             Box::new(|r| r.expect("create")),
         );

@@ -47,7 +47,7 @@ fn events(conversation: &str, from: u64, n: u64, tag: &str) -> Vec<Arc<EventReco
 }
 
 fn text(record: &EventRecord) -> String {
-    let v: serde_json::Value = serde_json::from_str(&record.data).unwrap();
+    let v: serde_json::Value = serde_json::from_str(record.data()).unwrap();
     v["text"].as_str().unwrap_or_default().to_owned()
 }
 
@@ -463,6 +463,7 @@ fn batch(
         },
         events: evs,
         client_msg_ids: Vec::new(),
+        forget_client_msg_ids_before: 0,
     }
 }
 
@@ -531,7 +532,11 @@ async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation()
     assert_eq!(two.events("c_s", 1, 10).await.unwrap().len(), 3);
     two.add_observer("c_s", "bob").await.unwrap();
     assert_eq!(one.get("c_s").await.unwrap().unwrap().observers, ["bob"]);
-    let snap = two.snapshot("c_s", 2).await.unwrap().expect("a snapshot");
+    let snap = two
+        .snapshot("c_s", 2, 10)
+        .await
+        .unwrap()
+        .expect("a snapshot");
     assert_eq!(snap.tail.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4]);
     assert_eq!(snap.client_msg_ids, [("msg-1/é".to_owned(), 3)]);
     assert_eq!(two.unfinished().await.unwrap().len(), 1);
@@ -542,9 +547,18 @@ async fn the_nats_store_serves_the_store_trait_and_fences_a_moved_conversation()
         append(&one, batch("c_s", 5, 1, false, Status::Idle)).await,
         Err(StoreError::Fenced { .. })
     ));
-    append(&two, batch("c_s", 5, 1, false, Status::Stopped))
+    // Its message's id moves the window past msg-1's: msg-1 is forgotten.
+    let mut moved = batch("c_s", 5, 1, false, Status::Stopped);
+    moved.client_msg_ids = vec![("msg-2".into(), 5)];
+    moved.forget_client_msg_ids_before = 5;
+    append(&two, moved).await.unwrap();
+    two.flush().await.unwrap();
+    let snap = one
+        .snapshot("c_s", 0, 10)
         .await
-        .unwrap();
+        .unwrap()
+        .expect("a snapshot");
+    assert_eq!(snap.client_msg_ids, [("msg-2".to_owned(), 5)]);
     let meta = one.get("c_s").await.unwrap().unwrap();
     assert_eq!((meta.head_seq, meta.status), (5, Status::Stopped));
     assert_eq!(meta.observers, ["bob"]);

@@ -1,6 +1,7 @@
 //! Durable history (protocol §5.2, §5.4): replay from the store when the
 //! buffer does not hold the range, compact replays (§11), REST history,
-//! delete, rehydration of stopped conversations, retention, and workspaces.
+//! delete, rehydration of stopped conversations, the window of
+//! `client_msg_id`s, retention, and workspaces.
 
 mod common;
 
@@ -218,6 +219,133 @@ async fn a_stopped_conversation_keeps_its_queue_and_message_ids() {
         .await;
     assert_eq!(again["duplicate"], true);
     assert_eq!(again["seq"], first["seq"]);
+}
+
+/// `message` with a `client_msg_id`; returns the `ack`.
+async fn message_with_id(client: &mut common::Client, id: &str, text: &str, cid: &str) -> Value {
+    let ack = client
+        .request(
+            json!({"type": "message", "conversation_id": id, "text": text, "client_msg_id": cid}),
+        )
+        .await;
+    assert_eq!(ack["type"], "ack", "{ack}");
+    ack
+}
+
+/// Closes `id` and waits until it is stopped and detached; returns the
+/// last seq.
+async fn close(client: &mut common::Client, id: &str) -> u64 {
+    client
+        .request(json!({"type": "close", "conversation_id": id}))
+        .await;
+    let closing = client.events_until_kind(id, "agent_stopped").await;
+    client.recv_until(|f| f["type"] == "detached").await;
+    seq(closing.last().unwrap())
+}
+
+#[tokio::test]
+async fn message_ids_older_than_the_window_are_forgotten_across_stops() {
+    let server = TestServer::start_with(|c| c.conversations.client_msg_id_window = 2).await;
+    let mut client = server.connect("alice").await;
+    let id = client.create().await;
+    let mut acks = Vec::new();
+    for i in 1..=3 {
+        let ack = message_with_id(&mut client, &id, "hi", &format!("m-{i}")).await;
+        assert_eq!(ack["duplicate"], false, "{ack}");
+        acks.push(ack);
+        client.events_until_turn_finished(&id).await;
+    }
+    let last = close(&mut client, &id).await;
+
+    // Back from the store: the window's ids (m-2, m-3) are still known.
+    client.attach(&id, last).await;
+    let again = message_with_id(&mut client, &id, "hi", "m-3").await;
+    assert_eq!(again["duplicate"], true, "{again}");
+    assert_eq!(again["seq"], acks[2]["seq"]);
+    // m-1 left the window: resent, it is a new message with a new seq.
+    let old = message_with_id(&mut client, &id, "hi", "m-1").await;
+    assert_eq!(old["duplicate"], false, "{old}");
+    assert!(old["seq"].as_u64() > acks[2]["seq"].as_u64(), "{old}");
+    client.events_until_turn_finished(&id).await;
+    // Which pushed m-2 out (the window is m-3, m-1), here and in the store.
+    let last = close(&mut client, &id).await;
+    client.attach(&id, last).await;
+    let m2 = message_with_id(&mut client, &id, "hi", "m-2").await;
+    assert_eq!(m2["duplicate"], false, "{m2}");
+    let m1 = message_with_id(&mut client, &id, "hi", "m-1").await;
+    assert_eq!(
+        (m1["duplicate"].clone(), m1["seq"].clone()),
+        (json!(true), old["seq"].clone())
+    );
+}
+
+/// A store written by linger 0.1.0 (commit e3352e6, the release before the
+/// store's format version and the `client_msg_id` window), by its own
+/// binary: alice's conversation [`FIXTURE_ID`], five messages with ids
+/// m-1..m-5 (seqs 3, 6, 7, 8, 9), each answered, then closed (head 33).
+const FIXTURE: &str = "tests/fixtures/store-0.1.0/linger.db";
+const FIXTURE_ID: &str = "c_01M8SQM66J668TDFWA8RXJ02W7";
+
+#[tokio::test]
+async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_history() {
+    let store = tempfile::tempdir().unwrap();
+    let db = store.path().join("linger.db");
+    std::fs::copy(FIXTURE, &db).unwrap();
+    let path = store.path().to_path_buf();
+    let server = TestServer::start_with(move |c| {
+        c.store.path = path;
+        c.conversations.client_msg_id_window = 2;
+    })
+    .await;
+    let (status, summary) = server
+        .get(&format!("/v1/conversations/{FIXTURE_ID}"), Some("alice"))
+        .await;
+    assert_eq!(
+        (status, &summary["head_seq"]),
+        (200, &json!(33)),
+        "{summary}"
+    );
+
+    // Its whole history replays, and it runs again.
+    let mut client = server.connect("alice").await;
+    let attached = client.attach(FIXTURE_ID, 0).await;
+    assert_eq!(attached["replay_from"], 1, "{attached}");
+    let events = client.events(FIXTURE_ID, 34).await;
+    assert_contiguous(&events, 1);
+    assert!(is_event(&events[32], "agent_stopped"), "{}", events[32]);
+    assert!(is_event(&events[33], "agent_started"), "{}", events[33]);
+    // Its ids were loaded bounded: the window's two are duplicates...
+    let m5 = message_with_id(&mut client, FIXTURE_ID, "again", "m-5").await;
+    assert_eq!(
+        (&m5["duplicate"], &m5["seq"]),
+        (&json!(true), &json!(9)),
+        "{m5}"
+    );
+    let m4 = message_with_id(&mut client, FIXTURE_ID, "again", "m-4").await;
+    assert_eq!(
+        (&m4["duplicate"], &m4["seq"]),
+        (&json!(true), &json!(8)),
+        "{m4}"
+    );
+    // ...an older one is recorded again, and the store forgets the rest.
+    let m1 = message_with_id(&mut client, FIXTURE_ID, "again", "m-1").await;
+    assert_eq!(m1["duplicate"], false, "{m1}");
+    client.events_until_turn_finished(FIXTURE_ID).await;
+    // Read beside the running server (WAL: committed is visible).
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 1);
+    let mut stmt = conn
+        .prepare("SELECT client_msg_id, seq FROM client_msgs ORDER BY seq")
+        .unwrap();
+    let ids: Vec<(String, u64)> = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(ids, [("m-5".to_owned(), 9), ("m-1".to_owned(), seq(&m1))]);
 }
 
 #[tokio::test]

@@ -98,9 +98,14 @@ impl Store for FaultyStore {
         self.inner.events(id, after, limit).await
     }
 
-    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+    async fn snapshot(
+        &self,
+        id: &str,
+        tail: usize,
+        client_msg_ids: usize,
+    ) -> Result<Option<Snapshot>, StoreError> {
         self.read()?;
-        self.inner.snapshot(id, tail).await
+        self.inner.snapshot(id, tail, client_msg_ids).await
     }
 
     async fn unfinished(&self) -> Result<Vec<ConversationMeta>, StoreError> {

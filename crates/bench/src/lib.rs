@@ -5,6 +5,9 @@
 //! - [`streaming`]: C conversations × T tokens at R per second each.
 //! - [`storm`]: N clients drop at once mid-stream and resume at once.
 //! - [`idle`]: K idle active conversations, each with a connection: RSS.
+//! - [`memory`]: C conversations stream E events in all while RSS is
+//!   sampled: flat once every replay buffer is full (linger only; not part
+//!   of `all`, it runs for minutes).
 //! - [`replay`]: attach latency of a replay from the buffer and the store.
 //! - [`compact`]: what a fresh client is sent when it opens a long
 //!   conversation, full and compact (protocol §11); linger only.
@@ -31,6 +34,7 @@ mod client;
 mod cluster;
 mod compact;
 mod idle;
+mod memory;
 mod nats;
 mod replay;
 mod report;
@@ -96,6 +100,11 @@ pub enum Scenario {
     /// K idle active conversations, each with an attached connection: RSS
     /// per connection and per conversation.
     Idle(idle::IdleArgs),
+    /// C conversations stream E events in all (turns of `/stream T 0`)
+    /// while the server's RSS is sampled: RSS once every replay buffer is
+    /// full, its growth after that per million events, RSS per
+    /// conversation with a full buffer (linger only).
+    Memory(memory::MemoryArgs),
     /// Attach latency of a 2,000-event replay from the buffer and the store.
     Replay(replay::ReplayArgs),
     /// A fresh client opens a conversation of 300 finished turns of 500
@@ -137,6 +146,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Scenario::Streaming(a) => vec![streaming::run(&common, &a).await?],
             Scenario::Storm(a) => vec![storm::run(&common, &a).await?],
             Scenario::Idle(a) => vec![idle::run(&common, &a).await?],
+            Scenario::Memory(a) => vec![memory::run(&common, &a).await?],
             Scenario::Replay(a) => vec![replay::run(&common, &a).await?],
             Scenario::Compact(a) => vec![compact::run(&common, &a).await?],
             Scenario::Cluster(a) => cluster::run(&common, &a).await?,

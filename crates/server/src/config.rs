@@ -107,6 +107,7 @@ pub struct ConversationsConfig {
     pub max_close_delay: Duration,
     pub replay_buffer_events: usize,
     pub max_queued_messages: usize,
+    pub client_msg_id_window: usize,
 }
 
 impl Default for ConversationsConfig {
@@ -119,6 +120,7 @@ impl Default for ConversationsConfig {
             max_close_delay: Duration::from_secs(24 * 3600),
             replay_buffer_events: 2000,
             max_queued_messages: 16,
+            client_msg_id_window: 1000,
         }
     }
 }
@@ -312,6 +314,9 @@ impl Config {
         }
         if self.conversations.replay_buffer_events == 0 {
             return bad("conversations.replay_buffer_events", "must be at least 1");
+        }
+        if self.conversations.client_msg_id_window == 0 {
+            return bad("conversations.client_msg_id_window", "must be at least 1");
         }
         if self.limits.max_outbound_frames < 16 {
             return bad("limits.max_outbound_frames", "must be at least 16");

@@ -1,7 +1,8 @@
 //! Sequenced events (protocol §4): their typed payloads and the record that is
 //! serialized once, at append, and shared by the store and every connection.
 
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
 
 use axum::extract::ws::Utf8Bytes;
@@ -117,24 +118,49 @@ impl TurnStatus {
 }
 
 /// One recorded event, serialized once. `frame` is the exact text frame every
-/// connection is sent; `data` is what the store keeps.
+/// connection is sent; the event's `ts` and `data` (what the store keeps) are
+/// slices of it, so each event's JSON is held once.
 #[derive(Debug, Clone)]
 pub struct EventRecord {
     pub seq: u64,
-    pub ts: String,
     pub kind: Arc<str>,
-    pub data: String,
     pub frame: Utf8Bytes,
+    /// Where `ts` is in `frame`.
+    ts: Range<usize>,
+    /// Where `data` starts in `frame` (it ends before the closing brace).
+    data_start: usize,
 }
+
+/// The bookkeeping of one heap allocation: what the allocator adds to each
+/// (glibc: an 8-byte header, sizes rounded up to 16).
+const fn allocated(size: usize) -> usize {
+    (size + 8).next_multiple_of(16)
+}
+
+/// What a record costs besides its frame's bytes: the record in its `Arc`
+/// (two counters) and the shared header `bytes` gives the frame once it is
+/// cloned towards a connection.
+const RECORD_OVERHEAD: usize = allocated(2 * size_of::<usize>() + size_of::<EventRecord>())
+    + allocated(3 * size_of::<usize>());
 
 impl EventRecord {
     /// Builds the record of a new event, stamping it with the current time.
     pub fn new(conversation_id: &str, seq: u64, data: &EventData) -> EventRecord {
         let ts = now_rfc3339();
-        // Serializing EventData cannot fail: it holds strings, numbers and
-        // already-parsed JSON values only.
-        let json = serde_json::to_string(data).unwrap_or_else(|_| "{}".to_owned());
-        EventRecord::from_parts(conversation_id, seq, ts, Arc::from(data.kind()), json)
+        EventRecord::build(
+            conversation_id,
+            seq,
+            &ts,
+            intern_kind(data.kind()),
+            128,
+            |frame| {
+                // Serializing EventData cannot fail: it holds strings,
+                // numbers and already-parsed JSON values only.
+                if serde_json::to_writer(&mut *frame, data).is_err() {
+                    frame.extend_from_slice(b"{}");
+                }
+            },
+        )
     }
 
     /// Rebuilds a record read back from the store.
@@ -145,18 +171,91 @@ impl EventRecord {
         kind: Arc<str>,
         data: String,
     ) -> EventRecord {
+        EventRecord::build(conversation_id, seq, &ts, kind, data.len(), |frame| {
+            frame.extend_from_slice(data.as_bytes())
+        })
+    }
+
+    /// Writes the frame, `data` written by `write_data` (about `data_len`
+    /// bytes), into one buffer of its exact size, and notes where `ts` and
+    /// `data` are in it.
+    fn build(
+        conversation_id: &str,
+        seq: u64,
+        ts: &str,
+        kind: Arc<str>,
+        data_len: usize,
+        write_data: impl FnOnce(&mut Vec<u8>),
+    ) -> EventRecord {
         let id = serde_json::to_string(conversation_id).unwrap_or_else(|_| "\"\"".into());
-        let frame = format!(
-            r#"{{"type":"event","conversation_id":{id},"seq":{seq},"ts":"{ts}","kind":"{kind}","data":{data}}}"#
-        );
-        EventRecord {
-            seq,
-            ts,
-            kind,
-            data,
-            frame: Utf8Bytes::from(frame),
+        let head = format!(r#"{{"type":"event","conversation_id":{id},"seq":{seq},"ts":""#);
+        let mut frame = Vec::with_capacity(head.len() + ts.len() + kind.len() + data_len + 32);
+        frame.extend_from_slice(head.as_bytes());
+        let ts_range = frame.len()..frame.len() + ts.len();
+        frame.extend_from_slice(ts.as_bytes());
+        frame.extend_from_slice(br#"","kind":""#);
+        frame.extend_from_slice(kind.as_bytes());
+        frame.extend_from_slice(br#"","data":"#);
+        let data_start = frame.len();
+        write_data(&mut frame);
+        frame.push(b'}');
+        // Exactly as long as its content: the buffer kept by every holder of
+        // the frame has no spare capacity.
+        let frame = frame.into_boxed_slice().into_vec();
+        match String::from_utf8(frame) {
+            Ok(frame) => EventRecord {
+                seq,
+                kind,
+                frame: Utf8Bytes::from(frame),
+                ts: ts_range,
+                data_start,
+            },
+            // Every part is a string or JSON written by serde_json, so UTF-8;
+            // were it not, the event's data is an empty object, not a panic.
+            Err(_) => {
+                EventRecord::from_parts(conversation_id, seq, ts.to_owned(), kind, "{}".into())
+            }
         }
     }
+
+    /// The event's time, RFC 3339 UTC with milliseconds.
+    pub fn ts(&self) -> &str {
+        self.frame.as_str().get(self.ts.clone()).unwrap_or_default()
+    }
+
+    /// The event's `data`, as JSON: what the store keeps.
+    pub fn data(&self) -> &str {
+        let end = self.frame.len().saturating_sub(1);
+        self.frame
+            .as_str()
+            .get(self.data_start..end)
+            .unwrap_or_default()
+    }
+
+    /// The memory this record holds while something keeps it: its frame,
+    /// the record in its `Arc`, and what the allocator adds to each (the
+    /// kind is shared by every record of that kind, see [`intern_kind`]).
+    pub fn held_bytes(&self) -> usize {
+        allocated(self.frame.len()) + RECORD_OVERHEAD
+    }
+}
+
+/// The kind's shared name: the known kinds are allocated once, whichever
+/// record names them (only an unknown kind read back from a store is
+/// allocated per record).
+pub fn intern_kind(kind: &str) -> Arc<str> {
+    static KINDS: OnceLock<Vec<Arc<str>>> = OnceLock::new();
+    let kinds = KINDS.get_or_init(|| {
+        <EventKind as strum::VariantNames>::VARIANTS
+            .iter()
+            .map(|k| Arc::from(*k))
+            .collect()
+    });
+    kinds
+        .iter()
+        .find(|k| &***k == kind)
+        .cloned()
+        .unwrap_or_else(|| Arc::from(kind))
 }
 
 /// RFC 3339 UTC timestamp with milliseconds, as events and REST carry.
@@ -184,5 +283,38 @@ mod tests {
         assert_eq!(v["kind"], "text_delta");
         assert_eq!(v["data"]["text"], "he said \"hi\"");
         assert!(v["ts"].as_str().unwrap().ends_with('Z'));
+    }
+
+    #[test]
+    fn ts_and_data_are_the_frames_own() {
+        let data = EventData::ToolCall {
+            turn_id: "t_1".into(),
+            call_id: "k".into(),
+            name: "n".into(),
+            args: serde_json::json!({"nested": {"a": [1, "}"]}}),
+            target: ToolTarget::Client,
+        };
+        let rec = EventRecord::new("c_\"1", 3, &data);
+        let v: Value = serde_json::from_str(rec.frame.as_str()).unwrap();
+        assert_eq!(rec.ts(), v["ts"]);
+        assert_eq!(
+            serde_json::from_str::<Value>(rec.data()).unwrap(),
+            v["data"]
+        );
+        assert_eq!(rec.data(), serde_json::to_string(&data).unwrap());
+        // Read back from a store, the same record.
+        let back = EventRecord::from_parts(
+            "c_\"1",
+            3,
+            rec.ts().to_owned(),
+            intern_kind("tool_call"),
+            rec.data().to_owned(),
+        );
+        assert_eq!(
+            (back.frame.as_str(), back.ts(), back.data()),
+            (rec.frame.as_str(), rec.ts(), rec.data())
+        );
+        assert!(Arc::ptr_eq(&back.kind, &rec.kind), "known kinds are shared");
+        assert!(rec.held_bytes() > rec.frame.len() + size_of::<EventRecord>());
     }
 }

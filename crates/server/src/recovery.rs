@@ -92,6 +92,7 @@ pub fn close(
                 last_turn_message_seq: meta.last_turn_message_seq,
             },
             client_msg_ids: Vec::new(),
+            forget_client_msg_ids_before: 0,
         },
         Box::new(move |result| {
             let _ = tx.send(result);
@@ -127,7 +128,7 @@ pub async fn interrupted_turn(
     let mut first = page.first().map_or(snapshot.meta.head_seq + 1, |e| e.seq);
     loop {
         for event in page.iter().rev() {
-            let data = || serde_json::from_str::<serde_json::Value>(&event.data).ok();
+            let data = || serde_json::from_str::<serde_json::Value>(event.data()).ok();
             match &*event.kind {
                 "turn_finished" if finished.is_none() => {
                     let Some(d) = data() else { return Ok(None) };
@@ -155,7 +156,7 @@ pub async fn interrupted_turn(
                     let text = message
                         .first()
                         .filter(|m| m.seq == message_seq && &*m.kind == "user_message")
-                        .and_then(|m| serde_json::from_str::<serde_json::Value>(&m.data).ok())
+                        .and_then(|m| serde_json::from_str::<serde_json::Value>(m.data()).ok())
                         .and_then(|d| d["text"].as_str().map(str::to_owned));
                     return Ok(text.map(|text| InterruptedTurn {
                         turn_id,

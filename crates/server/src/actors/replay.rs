@@ -46,7 +46,7 @@ impl Compact {
         if &*record.kind != "text_delta" {
             return false;
         }
-        match serde_json::from_str::<TurnRef>(&record.data) {
+        match serde_json::from_str::<TurnRef>(record.data()) {
             Ok(delta) => self.running_turn.as_deref() != Some(delta.turn_id),
             // Unreadable: sent, never silently dropped.
             Err(_) => false,

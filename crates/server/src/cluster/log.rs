@@ -84,8 +84,8 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use super::{check_token, with_deadline, Cluster, ClusterError};
-use crate::event::EventRecord;
+use super::{check_token, purge_subject, with_deadline, Cluster, ClusterError};
+use crate::event::{intern_kind, EventRecord};
 
 const TERM: &str = "Linger-Term";
 const NODE: &str = "Linger-Node";
@@ -614,19 +614,8 @@ impl EventLog {
     /// Removes a conversation's whole log.
     pub async fn delete(&self, conversation: &str) -> Result<(), ClusterError> {
         let subject = self.subject(conversation)?;
-        with_deadline(
-            self.cluster.options.op_timeout,
-            "deleting a log",
-            || async {
-                self.stream
-                    .purge()
-                    .filter(subject.clone())
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| ClusterError::Unavailable(e.to_string()))
-            },
-        )
-        .await
+        let timeout = self.cluster.options.op_timeout;
+        purge_subject(&self.stream, subject, timeout, "deleting a log").await
     }
 
     /// The conversation's first message at or after stream sequence `from`.
@@ -692,13 +681,13 @@ fn chunks(events: &[Arc<EventRecord>], max: usize) -> Result<Vec<Chunk>, Cluster
     let mut buf = Vec::new();
     let mut count = 0u64;
     for e in events {
-        let data = serde_json::value::RawValue::from_string(e.data.clone())
+        let data = serde_json::from_str::<&serde_json::value::RawValue>(e.data())
             .map_err(|err| ClusterError::Corrupt(format!("event {}: {err}", e.seq)))?;
         let line = serde_json::to_vec(&Line {
             seq: e.seq,
-            ts: &e.ts,
+            ts: e.ts(),
             kind: &e.kind,
-            data: &data,
+            data,
         })
         .map_err(|err| ClusterError::Corrupt(format!("event {}: {err}", e.seq)))?;
         if line.len() + 1 > max {
@@ -781,7 +770,7 @@ fn decode(conversation: &str, g: &Group) -> Result<Vec<EventRecord>, ClusterErro
             conversation,
             l.seq,
             l.ts.to_owned(),
-            Arc::from(l.kind),
+            intern_kind(l.kind),
             l.data.get().to_owned(),
         ));
     }

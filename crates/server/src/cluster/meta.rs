@@ -4,7 +4,9 @@
 //! `(term, head_seq)`; `u.<hex(user)>.<conversation>` (empty) indexes a
 //! user's conversations; `d.<conversation>.<hex(client_msg_id)>.<seq>`
 //! (empty) records the `client_msg_id`s used, so that reactivation finds
-//! them with one subject listing instead of reading the whole log. A user's list is the set of index subjects under
+//! them with one subject listing instead of reading the whole log; those
+//! that left the conversation's window are purged by its owner, so there
+//! are at most `conversations.client_msg_id_window` of them. A user's list is the set of index subjects under
 //! `u.<hex(user)>.*`, answered by one stream-info request with a subject
 //! filter from the server's per-subject index, then one get per summary.
 //! Deleting a conversation purges its subjects outright (no markers left),
@@ -24,7 +26,7 @@ use async_nats::jetstream::kv::{self, UpdateErrorKind};
 use futures_util::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
-use super::{check_token, with_deadline, Cluster, ClusterError};
+use super::{check_token, purge_subject, with_deadline, Cluster, ClusterError};
 use crate::protocol::Status;
 use crate::store::ConversationMeta;
 
@@ -328,8 +330,40 @@ impl Summaries {
         Ok(())
     }
 
+    /// The newest `newest` `client_msg_id`s recorded for the conversation,
+    /// by seq.
+    pub async fn client_ids(
+        &self,
+        id: &str,
+        newest: usize,
+    ) -> Result<Vec<(String, u64)>, ClusterError> {
+        let mut all = self.all_client_ids(id).await?;
+        all.drain(..all.len().saturating_sub(newest));
+        Ok(all)
+    }
+
+    /// Forgets the `client_msg_id`s of messages before seq `before` (they
+    /// left the conversation's window): their keys are purged outright, no
+    /// markers left, so the bucket holds at most the window.
+    pub async fn forget_client_ids(&self, id: &str, before: u64) -> Result<(), ClusterError> {
+        for (cid, seq) in self.all_client_ids(id).await? {
+            if seq >= before {
+                break;
+            }
+            let subject = format!("{}d.{id}.{}.{seq}", self.kv.prefix, user_token(&cid));
+            self.purge(subject, "forgetting a client_msg_id").await?;
+        }
+        Ok(())
+    }
+
+    /// Removes every message of `subject` from the bucket's stream.
+    async fn purge(&self, subject: String, doing: &str) -> Result<(), ClusterError> {
+        let timeout = self.cluster.options.op_timeout;
+        purge_subject(&self.kv.stream, subject, timeout, doing).await
+    }
+
     /// Every `client_msg_id` recorded for the conversation, by seq.
-    pub async fn client_ids(&self, id: &str) -> Result<Vec<(String, u64)>, ClusterError> {
+    async fn all_client_ids(&self, id: &str) -> Result<Vec<(String, u64)>, ClusterError> {
         let filter = format!("{}d.{}.*.*", self.kv.prefix, check_token(id)?);
         let subjects = self.subjects(&filter).await?;
         let mut out = Vec::new();
@@ -373,21 +407,8 @@ impl Summaries {
             format!("u.{}.{id}", user_token(&stored.user)),
             format!("c.{id}"),
         ] {
-            let subject = format!("{prefix}{key}");
-            with_deadline(
-                self.cluster.options.op_timeout,
-                "deleting a summary",
-                || async {
-                    self.kv
-                        .stream
-                        .purge()
-                        .filter(subject.clone())
-                        .await
-                        .map(|_| ())
-                        .map_err(|e| ClusterError::Unavailable(e.to_string()))
-                },
-            )
-            .await?;
+            self.purge(format!("{prefix}{key}"), "deleting a summary")
+                .await?;
         }
         Ok(true)
     }

@@ -143,6 +143,25 @@ pub(crate) fn check_token(name: &str) -> Result<&str, ClusterError> {
     }
 }
 
+/// Removes every message of `subject` from `stream` outright (no markers
+/// left), retried within `timeout`.
+pub(crate) async fn purge_subject<I>(
+    stream: &async_nats::jetstream::stream::Stream<I>,
+    subject: String,
+    timeout: Duration,
+    what: &str,
+) -> Result<(), ClusterError> {
+    with_deadline(timeout, what, || async {
+        stream
+            .purge()
+            .filter(subject.clone())
+            .await
+            .map(|_| ())
+            .map_err(|e| ClusterError::Unavailable(e.to_string()))
+    })
+    .await
+}
+
 /// Runs `op` until it succeeds, fails for good, or `timeout` passes; the
 /// retryable failures are the ones [`ClusterError::Unavailable`] stands for.
 pub(crate) async fn with_deadline<T, F, Fut>(

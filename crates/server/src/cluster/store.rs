@@ -196,6 +196,9 @@ fn merge(first: Job, rest: Vec<Job>) -> (AppendBatch, Vec<CommitCallback>) {
         callbacks.push(done);
         merged.events.extend(batch.events);
         merged.client_msg_ids.extend(batch.client_msg_ids);
+        merged.forget_client_msg_ids_before = merged
+            .forget_client_msg_ids_before
+            .max(batch.forget_client_msg_ids_before);
         merged.state = batch.state;
         if merged.create.is_none() {
             merged.create = batch.create;
@@ -271,6 +274,9 @@ struct SummaryWriter {
     /// What the stored summary says of the decisive parts.
     stored: Option<Decisive>,
     client_ids: Vec<(String, u64)>,
+    /// The ids of messages before this seq left the window and are still
+    /// to be purged (0: none).
+    forget_before: u64,
     /// When the stored summary started lagging the owner's copy.
     stale_since: Option<tokio::time::Instant>,
     /// Written right away (set by a decisive change or new ids).
@@ -290,6 +296,7 @@ impl SummaryWriter {
             meta,
             revision,
             client_ids: Vec::new(),
+            forget_before: 0,
             stale_since: None,
             urgent: false,
         }
@@ -330,6 +337,7 @@ impl SummaryWriter {
         m.current_turn_id = batch.state.current_turn_id.clone();
         m.last_turn_message_seq = batch.state.last_turn_message_seq;
         self.client_ids.extend(batch.client_msg_ids.iter().cloned());
+        self.forget_before = self.forget_before.max(batch.forget_client_msg_ids_before);
         self.stale_since
             .get_or_insert_with(tokio::time::Instant::now);
         if self.stored.as_ref() != Some(&Decisive::of(m)) || !self.client_ids.is_empty() {
@@ -346,8 +354,9 @@ impl SummaryWriter {
         self.stale_since.map(|since| since + SUMMARY_LAG)
     }
 
-    /// Writes the `client_msg_id`s and the summary; on failure keeps them
-    /// to try again after [`SUMMARY_LAG`].
+    /// Writes the `client_msg_id`s (and forgets those that left the
+    /// window) and the summary; on failure keeps them to try again after
+    /// [`SUMMARY_LAG`].
     async fn write(&mut self) {
         let Some(meta) = self.meta.as_mut() else {
             self.stale_since = None;
@@ -361,6 +370,12 @@ impl SummaryWriter {
                 .add_client_ids(&meta.id, &self.client_ids)
                 .await?;
             self.client_ids.clear();
+            if self.forget_before > 0 {
+                self.summaries
+                    .forget_client_ids(&meta.id, self.forget_before)
+                    .await?;
+                self.forget_before = 0;
+            }
             self.summaries.put(meta, self.term, self.revision).await
         }
         .await;
@@ -466,7 +481,12 @@ impl Store for NatsStore {
         Ok(self.log.read(id, after, limit).await?)
     }
 
-    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+    async fn snapshot(
+        &self,
+        id: &str,
+        tail: usize,
+        client_msg_ids: usize,
+    ) -> Result<Option<Snapshot>, StoreError> {
         let Some(meta) = self.get(id).await? else {
             return Ok(None);
         };
@@ -481,7 +501,7 @@ impl Store for NatsStore {
             .await?
         {
             if &*e.kind == "user_message" {
-                let text = field(&e.data, "text").ok_or_else(|| {
+                let text = field(e.data(), "text").ok_or_else(|| {
                     StoreError::Backend(format!(
                         "conversation {id}: user_message {} has no text",
                         e.seq
@@ -490,7 +510,7 @@ impl Store for NatsStore {
                 queued.push(QueuedMessage { seq: e.seq, text });
             }
         }
-        let client_msg_ids = self.summaries.client_ids(id).await?;
+        let client_msg_ids = self.summaries.client_ids(id, client_msg_ids).await?;
         Ok(Some(Snapshot {
             meta,
             tail: tail_events,

@@ -29,6 +29,7 @@ const LIVE: &[&str] = &[
     "conversations.max_close_delay",
     "conversations.replay_buffer_events",
     "conversations.max_queued_messages",
+    "conversations.client_msg_id_window",
     "agent.turn_timeout",
     "agent.resume_interrupted",
     "limits.max_frame_bytes",

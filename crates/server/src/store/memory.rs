@@ -95,6 +95,8 @@ impl MemoryStore {
             conv.events.extend(batch.events.iter().cloned());
             conv.client_msg_ids
                 .extend(batch.client_msg_ids.iter().cloned());
+            let forget = batch.forget_client_msg_ids_before;
+            conv.client_msg_ids.retain(|(_, seq)| *seq >= forget);
             Ok(())
         })
     }
@@ -151,7 +153,12 @@ impl Store for MemoryStore {
         }))
     }
 
-    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+    async fn snapshot(
+        &self,
+        id: &str,
+        tail: usize,
+        client_msg_ids: usize,
+    ) -> Result<Option<Snapshot>, StoreError> {
         Ok(self.with(|map| {
             let conv = map.get(id)?;
             let meta = conv.meta.clone()?;
@@ -170,7 +177,9 @@ impl Store for MemoryStore {
             Some(Snapshot {
                 tail: conv.events[start..].to_vec(),
                 queued,
-                client_msg_ids: conv.client_msg_ids.clone(),
+                client_msg_ids: conv.client_msg_ids
+                    [conv.client_msg_ids.len().saturating_sub(client_msg_ids)..]
+                    .to_vec(),
                 meta,
             })
         }))

@@ -72,6 +72,10 @@ pub struct AppendBatch {
     pub events: Vec<Arc<EventRecord>>,
     pub state: ConversationState,
     pub client_msg_ids: Vec<(String, u64)>,
+    /// The `client_msg_id`s of messages before this seq left the
+    /// conversation's window (`conversations.client_msg_id_window`): the
+    /// store forgets them with this append (0: nothing to forget).
+    pub forget_client_msg_ids_before: u64,
 }
 
 /// A queued user message found when reactivating a conversation.
@@ -89,7 +93,8 @@ pub struct Snapshot {
     pub tail: Vec<Arc<EventRecord>>,
     /// User messages recorded after the last turn started, oldest first.
     pub queued: Vec<QueuedMessage>,
-    /// Every `client_msg_id` seen, with the seq of its `user_message`.
+    /// The newest `client_msg_id`s recorded (at most the number asked
+    /// for), with the seq of their `user_message`, oldest first.
     pub client_msg_ids: Vec<(String, u64)>,
 }
 
@@ -221,8 +226,13 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Vec<Arc<EventRecord>>, StoreError>;
 
     /// Everything needed to reactivate a conversation, with the last
-    /// `tail` events.
-    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError>;
+    /// `tail` events and the newest `client_msg_ids` ids.
+    async fn snapshot(
+        &self,
+        id: &str,
+        tail: usize,
+        client_msg_ids: usize,
+    ) -> Result<Option<Snapshot>, StoreError>;
 
     /// Conversations not stored as `stopped`: on start-up, these were
     /// active when the server last stopped.

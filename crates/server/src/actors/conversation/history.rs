@@ -10,7 +10,7 @@ impl State {
     pub(super) fn append(&mut self, data: EventData) -> u64 {
         let record = self.log.append(&data);
         self.last_activity = Instant::now();
-        self.last_activity_at = record.ts.clone();
+        self.last_activity_at = record.ts().to_owned();
         record.seq
     }
 
@@ -36,6 +36,7 @@ impl State {
                 last_turn_message_seq: self.last_turn_message_seq,
             },
             client_msg_ids: write.client_msg_ids,
+            forget_client_msg_ids_before: write.forget_client_msg_ids_before,
         };
         let me = myself.clone();
         let (upto, credits, epoch) = (write.upto, write.credits, write.epoch);

@@ -40,6 +40,7 @@ pub(super) struct Write {
     /// Agent credits the events hold, given back on the outcome.
     pub credits: usize,
     pub client_msg_ids: Vec<(String, u64)>,
+    pub forget_client_msg_ids_before: u64,
     /// The conversation's creation, with its first events.
     pub create: Option<NewConversation>,
     /// The epoch the write belongs to.
@@ -71,6 +72,8 @@ struct Batch {
     events: Vec<Arc<EventRecord>>,
     credits: usize,
     client_msg_ids: Vec<(String, u64)>,
+    /// Ids of messages before this seq left the window (0: none did).
+    forget_client_msg_ids_before: u64,
     create: Option<NewConversation>,
 }
 
@@ -90,16 +93,17 @@ pub(super) struct Log {
 }
 
 impl Log {
-    /// The log of a conversation with nothing committed yet; the buffer
-    /// starts with room for `buffer_capacity` events.
-    pub(super) fn new(conversation: Arc<str>, buffer_capacity: usize) -> Log {
+    /// The log of a conversation with nothing committed yet. Its buffer
+    /// starts empty and grows with the events it keeps: an idle
+    /// conversation does not pay for `replay_buffer_events` slots.
+    pub(super) fn new(conversation: Arc<str>) -> Log {
         Log {
             conversation,
             next_seq: 1,
             committed: 0,
             batch: Batch::default(),
             in_flight: VecDeque::new(),
-            buffer: ReplayBuffer::with_capacity(buffer_capacity),
+            buffer: ReplayBuffer::default(),
             waiting: VecDeque::new(),
             epoch: 0,
         }
@@ -148,9 +152,19 @@ impl Log {
         self.batch.credits += 1;
     }
 
-    /// The batch records that `client_msg_id` is the message at `seq`.
-    pub(super) fn add_client_msg_id(&mut self, client_msg_id: String, seq: u64) {
+    /// The batch records that `client_msg_id` is the message at `seq`,
+    /// and that the ids before `forget_before` left the window.
+    pub(super) fn add_client_msg_id(
+        &mut self,
+        client_msg_id: String,
+        seq: u64,
+        forget_before: Option<u64>,
+    ) {
         self.batch.client_msg_ids.push((client_msg_id, seq));
+        if let Some(before) = forget_before {
+            let forget = &mut self.batch.forget_client_msg_ids_before;
+            *forget = (*forget).max(before);
+        }
     }
 
     /// Takes the batch to hand to the store (`None`: it is empty). Its
@@ -163,6 +177,7 @@ impl Log {
             events,
             credits,
             client_msg_ids,
+            forget_client_msg_ids_before,
             create,
         } = std::mem::take(&mut self.batch);
         self.in_flight.extend(events.iter().cloned());
@@ -171,6 +186,7 @@ impl Log {
             events,
             credits,
             client_msg_ids,
+            forget_client_msg_ids_before,
             create,
             epoch: self.epoch,
         })
@@ -251,7 +267,7 @@ mod tests {
     use super::*;
 
     fn log() -> Log {
-        Log::new(Arc::from("c_test"), 16)
+        Log::new(Arc::from("c_test"))
     }
 
     fn delta(text: &str) -> EventData {
@@ -320,7 +336,7 @@ mod tests {
             close_delay: None,
         });
         let seq = log.append(&delta("hi")).seq;
-        log.add_client_msg_id("m1".into(), seq);
+        log.add_client_msg_id("m1".into(), seq, None);
         log.add_credit();
         log.add_credit();
         let write = log.take_batch().expect("a batch");

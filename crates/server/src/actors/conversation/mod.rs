@@ -17,6 +17,7 @@ mod cursor;
 mod history;
 mod lifecycle;
 mod log;
+mod msg_ids;
 mod replay_buffer;
 mod rule_timer;
 mod store_failure;
@@ -25,6 +26,7 @@ mod turns;
 use attachments::AttachAsk;
 use cursor::{Cursor, Rounds};
 use log::{DeferredReply, Log};
+use msg_ids::MsgIdLedger;
 use rule_timer::RuleTimer;
 
 use std::collections::{HashMap, VecDeque};
@@ -272,7 +274,8 @@ pub struct State {
     rounds: Rounds,
     turn: Option<Turn>,
     queue: VecDeque<QueuedMessage>,
-    seen_msg_ids: HashMap<String, u64>,
+    /// The window of recent `client_msg_id`s (`msg_ids.rs`).
+    seen_msg_ids: MsgIdLedger,
     last_turn_message_seq: u64,
     last_activity: Instant,
     last_activity_at: String,
@@ -327,7 +330,6 @@ impl Actor for Conversation {
             workspace: args.workspace.clone(),
             events: EventSink::new(Arc::new(myself.clone()), credits.clone()),
         });
-        let buffer_cap = args.config.get().conversations.replay_buffer_events;
         let mut state = State {
             id: args.id.clone(),
             user: args.user.clone(),
@@ -339,13 +341,13 @@ impl Actor for Conversation {
             gauge: args.gauge,
             session,
             credits,
-            log: Log::new(args.id.clone(), buffer_cap.min(4096)),
+            log: Log::new(args.id.clone()),
             flush_scheduled: false,
             attachments: HashMap::new(),
             rounds: Rounds::default(),
             turn: None,
             queue: VecDeque::new(),
-            seen_msg_ids: HashMap::new(),
+            seen_msg_ids: MsgIdLedger::default(),
             last_turn_message_seq: 0,
             last_activity: Instant::now(),
             last_activity_at: now_rfc3339(),
@@ -402,7 +404,8 @@ impl Actor for Conversation {
                     state.resume = Some(turn);
                 }
                 state.queue.extend(queued);
-                state.seen_msg_ids.extend(client_msg_ids);
+                let window = state.config.get().conversations.client_msg_id_window;
+                state.seen_msg_ids = MsgIdLedger::restored(client_msg_ids, window);
                 state.last_turn_message_seq = meta.last_turn_message_seq;
                 state.close_orphaned_turn(
                     &meta,

@@ -6,15 +6,18 @@
 //! Bounded twice: by `replay_buffer_events` (read at each commit, so a
 //! reload applies at the next one) and by [`REPLAY_BUFFER_MAX_BYTES`],
 //! because events can be large and memory must stay bounded per
-//! conversation. A range it no longer holds is read from the store.
+//! conversation. The bytes counted are all an event held here costs (its
+//! frame, its record, their allocations and its slot), so that the bound is
+//! the memory's, not only the JSON's. A range it no longer holds is read
+//! from the store.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::event::EventRecord;
 
-/// Most bytes of frames one conversation's replay buffer holds, whatever
-/// `replay_buffer_events` says.
+/// Most bytes one conversation's replay buffer holds (see
+/// [`ReplayBuffer::cost`]), whatever `replay_buffer_events` says.
 pub const REPLAY_BUFFER_MAX_BYTES: usize = 8 * 1024 * 1024;
 
 /// The last committed events, oldest first, contiguous in seq.
@@ -25,34 +28,32 @@ pub(super) struct ReplayBuffer {
 }
 
 impl ReplayBuffer {
-    /// An empty buffer with room for `capacity` events before it grows.
-    pub(super) fn with_capacity(capacity: usize) -> ReplayBuffer {
-        ReplayBuffer {
-            events: VecDeque::with_capacity(capacity),
-            bytes: 0,
-        }
-    }
-
     pub(super) fn len(&self) -> usize {
         self.events.len()
     }
 
-    /// The bytes of the frames held.
+    /// The bytes the events held cost.
     pub(super) fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// What holding `record` here costs: the record (frame included) and
+    /// its slot in the queue.
+    pub(super) fn cost(record: &EventRecord) -> usize {
+        record.held_bytes() + size_of::<Arc<EventRecord>>()
     }
 
     /// Adds a committed event (the next in seq) and drops the oldest ones
     /// beyond `cap` events or the byte bound. The newest event is kept
     /// even when it alone is over the byte bound.
     pub(super) fn push(&mut self, record: Arc<EventRecord>, cap: usize) {
-        self.bytes += record.frame.len();
+        self.bytes += Self::cost(&record);
         self.events.push_back(record);
         while self.events.len() > cap
             || (self.bytes > REPLAY_BUFFER_MAX_BYTES && self.events.len() > 1)
         {
             if let Some(old) = self.events.pop_front() {
-                self.bytes -= old.frame.len();
+                self.bytes -= Self::cost(&old);
             }
         }
     }
@@ -63,11 +64,11 @@ impl ReplayBuffer {
         self.events.clear();
         self.bytes = 0;
         for record in tail.into_iter().rev() {
-            if self.bytes + record.frame.len() > REPLAY_BUFFER_MAX_BYTES && !self.events.is_empty()
-            {
+            let cost = Self::cost(&record);
+            if self.bytes + cost > REPLAY_BUFFER_MAX_BYTES && !self.events.is_empty() {
                 break;
             }
-            self.bytes += record.frame.len();
+            self.bytes += cost;
             self.events.push_front(record);
         }
     }
@@ -120,8 +121,11 @@ pub(super) mod tests {
         let buffer = filled(1..=5, 3);
         assert_eq!(buffer.len(), 3);
         assert_eq!(seqs(&buffer.since(3, 5).unwrap_or_default()), [3, 4, 5]);
-        let held: usize = (3..=5).map(|s| record(s, 10).frame.len()).sum();
+        let held: usize = (3..=5).map(|s| ReplayBuffer::cost(&record(s, 10))).sum();
         assert_eq!(buffer.bytes(), held);
+        // Everything a small event holds is counted, not only its frame.
+        let small = record(1, 10);
+        assert!(ReplayBuffer::cost(&small) >= small.frame.len() + size_of::<EventRecord>());
     }
 
     #[test]

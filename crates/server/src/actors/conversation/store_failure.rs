@@ -153,7 +153,7 @@ impl State {
         // What these held may name discarded events: they are read back
         // from the store before the conversation goes on.
         self.queue.clear();
-        self.seen_msg_ids.clear();
+        self.seen_msg_ids = MsgIdLedger::default();
     }
 
     fn schedule_store_retry(&mut self, myself: &ActorRef<ConversationMsg>) {
@@ -172,11 +172,16 @@ impl State {
         }
         let store = self.store.clone();
         let id = self.id.clone();
-        let tail = self.config.get().conversations.replay_buffer_events;
+        let config = self.config.get();
+        let tail = config.conversations.replay_buffer_events;
+        let window = config.conversations.client_msg_id_window;
         let me = myself.clone();
         tokio::spawn(async move {
             let result = match store.probe().await {
-                Ok(()) => store.snapshot(&id, tail).await.map(|s| s.map(Box::new)),
+                Ok(()) => store
+                    .snapshot(&id, tail, window)
+                    .await
+                    .map(|s| s.map(Box::new)),
                 Err(e) => Err(e),
             };
             let _ = me.cast(ConversationMsg::Reloaded(result));
@@ -228,7 +233,8 @@ impl State {
             }
         }
         self.queue = snapshot.queued.iter().cloned().collect();
-        self.seen_msg_ids = snapshot.client_msg_ids.iter().cloned().collect();
+        let window = self.config.get().conversations.client_msg_id_window;
+        self.seen_msg_ids = MsgIdLedger::restored(snapshot.client_msg_ids.clone(), window);
         self.last_turn_message_seq = meta.last_turn_message_seq;
         self.close_orphaned_turn(
             meta,

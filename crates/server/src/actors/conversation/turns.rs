@@ -18,7 +18,6 @@ impl State {
             .as_ref()
             .and_then(|id| self.seen_msg_ids.get(id))
         {
-            let seq = *seq;
             self.ack_when_committed(conn, req, seq, Some(true));
             return;
         }
@@ -39,8 +38,9 @@ impl State {
             client_msg_id: client_msg_id.clone(),
         });
         if let Some(id) = client_msg_id {
-            self.seen_msg_ids.insert(id.clone(), seq);
-            self.log.add_client_msg_id(id, seq);
+            let window = self.config.get().conversations.client_msg_id_window;
+            let forget_before = self.seen_msg_ids.insert(id.clone(), seq, window);
+            self.log.add_client_msg_id(id, seq, forget_before);
         }
         self.ack_when_committed(conn, req, seq, Some(false));
         self.queue.push_back(QueuedMessage { seq, text });

@@ -98,13 +98,14 @@ impl State {
         let store = self.store.clone();
         let config = self.config.get();
         let tail = config.conversations.replay_buffer_events;
+        let window = config.conversations.client_msg_id_window;
         let me = myself.clone();
         let cluster = self.cluster.clone();
         let resume = config.agent.resume_interrupted;
         tokio::spawn(async move {
             let mut result = match &cluster {
-                Some(cluster) => load_in_cluster(cluster, &store, &id, tail).await,
-                None => store.snapshot(&id, tail).await.map(|s| {
+                Some(cluster) => load_in_cluster(cluster, &store, &id, tail, window).await,
+                None => store.snapshot(&id, tail, window).await.map(|s| {
                     s.map(|s| Found::Here {
                         snapshot: Box::new(s),
                         others: Vec::new(),

@@ -218,6 +218,7 @@ pub(super) async fn load_in_cluster(
     store: &Arc<dyn Store>,
     id: &str,
     tail: usize,
+    window: usize,
 ) -> Result<Option<Found>, StoreError> {
     // The summary alone (user, observers): the snapshot below reads the
     // exact head, so `Store::get`'s head read would be done twice.
@@ -233,11 +234,14 @@ pub(super) async fn load_in_cluster(
         }));
     }
     close_for_lost_node(cluster, store, id, true).await?;
-    Ok(store.snapshot(id, tail).await?.map(|s| Found::Here {
-        snapshot: Box::new(s),
-        others,
-        resume: None,
-    }))
+    Ok(store
+        .snapshot(id, tail, window)
+        .await?
+        .map(|s| Found::Here {
+            snapshot: Box::new(s),
+            others,
+            resume: None,
+        }))
 }
 
 /// Claims a new conversation's id for this node; returns its user's active
@@ -274,7 +278,7 @@ async fn close_for_lost_node(
         }
     }
     // The snapshot's head is the log's (the summary may lag one append).
-    let Some(snapshot) = store.snapshot(id, 0).await? else {
+    let Some(snapshot) = store.snapshot(id, 0, 0).await? else {
         return Ok(());
     };
     if snapshot.meta.status == Status::Stopped {

@@ -1,10 +1,10 @@
 //! Opening the database: the write connection (WAL, the pragmas, the
-//! schema applied), and the pool of read-only connections reads run on.
+//! schema applied and migrated), and the pool of read-only connections reads run on.
 
 use super::*;
 
 pub(super) fn open_writer(path: &Path) -> Result<Connection, StoreError> {
-    let conn = Connection::open(path)?;
+    let mut conn = Connection::open(path)?;
     let mode: String =
         conn.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))?;
     if !mode.eq_ignore_ascii_case("wal") {
@@ -24,6 +24,7 @@ pub(super) fn open_writer(path: &Path) -> Result<Connection, StoreError> {
     conn.busy_timeout(Duration::from_secs(5))?;
     conn.set_prepared_statement_cache_capacity(64);
     conn.execute_batch(SCHEMA)?;
+    migrate::migrate(&mut conn)?;
     Ok(conn)
 }
 

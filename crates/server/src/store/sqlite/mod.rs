@@ -23,7 +23,8 @@
 //! (in the OS page cache) before its callback runs, which survives a SIGKILL
 //! of the process; only a power loss can take the last commits back.
 //!
-//! Files: `schema.rs` (tables, rows to types), `connections.rs` (opening
+//! Files: `schema.rs` (tables, rows to types), `migrate.rs` (the format
+//! version and the steps from earlier ones), `connections.rs` (opening
 //! connections, the read pool), `queries.rs` (reads), `writer.rs` (the
 //! writer thread and the writes), `checkpoint.rs`, `threads.rs`.
 //!
@@ -36,12 +37,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod checkpoint;
 mod connections;
+mod migrate;
 mod queries;
 mod schema;
 #[cfg(test)]
@@ -57,7 +59,7 @@ use super::{
     AppendBatch, CommitCallback, ConversationMeta, ConversationState, QueuedMessage, Snapshot,
     Store, StoreError, StoreHealth,
 };
-use crate::event::EventRecord;
+use crate::event::{intern_kind, EventRecord};
 use crate::protocol::Status;
 use checkpoint::*;
 use connections::*;
@@ -248,9 +250,14 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn snapshot(&self, id: &str, tail: usize) -> Result<Option<Snapshot>, StoreError> {
+    async fn snapshot(
+        &self,
+        id: &str,
+        tail: usize,
+        client_msg_ids: usize,
+    ) -> Result<Option<Snapshot>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| queries::snapshot(conn, &id, tail))
+        self.read(move |conn| queries::snapshot(conn, &id, tail, client_msg_ids))
             .await
     }
 

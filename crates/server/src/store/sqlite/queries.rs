@@ -62,11 +62,12 @@ pub(super) fn events(
 }
 
 /// Everything needed to reactivate a conversation, with its last `tail`
-/// events.
+/// events and its newest `client_msg_ids` ids.
 pub(super) fn snapshot(
     conn: &mut Connection,
     id: &str,
     tail: usize,
+    client_msg_ids: usize,
 ) -> Result<Option<Snapshot>, StoreError> {
     // One read transaction, so that the row, the tail and the queue
     // are of the same commit.
@@ -108,12 +109,17 @@ pub(super) fn snapshot(
             .collect::<Result<Vec<_>, StoreError>>()?
     };
     let client_msg_ids = {
+        // The newest, from the (conversation_id, seq) index: a store that
+        // holds more (written before the window existed) is read bounded.
         let mut stmt = tx.prepare_cached(
             "SELECT client_msg_id, seq FROM client_msgs \
-                     WHERE conversation_id = ?1 ORDER BY seq",
+                     WHERE conversation_id = ?1 ORDER BY seq DESC LIMIT ?2",
         )?;
-        let rows = stmt.query_map([id], |row| Ok((row.get(0)?, row.get(1)?)))?;
-        rows.collect::<Result<Vec<_>, _>>()?
+        let newest = clamp_i64(client_msg_ids as u64);
+        let rows = stmt.query_map(params![id, newest], |row| Ok((row.get(0)?, row.get(1)?)))?;
+        let mut ids = rows.collect::<Result<Vec<(String, u64)>, _>>()?;
+        ids.reverse();
+        ids
     };
     Ok(Some(Snapshot {
         meta,

@@ -125,34 +125,6 @@ pub(super) fn message_text(data: &str) -> Option<String> {
         .map(|m| m.text)
 }
 
-/// Shares one allocation per known kind among all events read back, instead
-/// of one per event.
-pub(super) fn intern_kind(kind: &str) -> Arc<str> {
-    static KINDS: OnceLock<Vec<Arc<str>>> = OnceLock::new();
-    let kinds = KINDS.get_or_init(|| {
-        [
-            "conversation_created",
-            "agent_started",
-            "user_message",
-            "turn_started",
-            "text_delta",
-            "assistant_message",
-            "tool_call",
-            "tool_result",
-            "turn_finished",
-            "agent_stopped",
-        ]
-        .into_iter()
-        .map(Arc::from)
-        .collect()
-    });
-    kinds
-        .iter()
-        .find(|k| &***k == kind)
-        .cloned()
-        .unwrap_or_else(|| Arc::from(kind))
-}
-
 /// SQLite integers are signed; seqs and limits never come near the top.
 pub(super) fn clamp_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)

@@ -56,12 +56,13 @@ fn create_batch(id: &str, user: &str) -> AppendBatch {
         create: Some(NewConversation {
             user: user.into(),
             title: "hello".into(),
-            created_at: ev.ts.clone(),
+            created_at: ev.ts().to_owned(),
             close_delay: Some(Duration::from_secs(90)),
         }),
         events: vec![ev],
         state: state(Status::Idle, 1),
         client_msg_ids: vec![],
+        forget_client_msg_ids_before: 0,
     }
 }
 
@@ -72,6 +73,7 @@ fn events_batch(id: &str, events: Vec<Arc<EventRecord>>, st: ConversationState) 
         events,
         state: st,
         client_msg_ids: vec![],
+        forget_client_msg_ids_before: 0,
     }
 }
 
@@ -306,7 +308,7 @@ async fn snapshot_has_tail_queue_and_client_msg_ids() {
     batch.client_msg_ids = vec![("m1".into(), 2), ("m2".into(), 5), ("m3".into(), 6)];
     append(&store, batch).await.unwrap();
 
-    let snap = store.snapshot("c_1", 3).await.unwrap().unwrap();
+    let snap = store.snapshot("c_1", 3, 100).await.unwrap().unwrap();
     assert_eq!(snap.meta.head_seq, 6);
     assert_eq!(snap.meta.last_turn_message_seq, 2);
     assert_eq!(
@@ -334,9 +336,81 @@ async fn snapshot_has_tail_queue_and_client_msg_ids() {
             ("m3".to_string(), 6)
         ]
     );
-    let all = store.snapshot("c_1", 100).await.unwrap().unwrap();
+    let all = store.snapshot("c_1", 100, 100).await.unwrap().unwrap();
     assert_eq!(all.tail.len(), 6);
-    assert!(store.snapshot("c_nope", 10).await.unwrap().is_none());
+    assert!(store.snapshot("c_nope", 10, 10).await.unwrap().is_none());
+    // Bounded: the newest ids only.
+    let newest = store.snapshot("c_1", 0, 2).await.unwrap().unwrap();
+    assert_eq!(
+        newest.client_msg_ids,
+        [("m2".to_string(), 5), ("m3".to_string(), 6)]
+    );
+
+    // An append that moves the window forgets the ids before it.
+    let mut st = state(Status::Running, 7);
+    st.current_turn_id = Some("t_1".into());
+    st.last_turn_message_seq = 2;
+    let mut batch = events_batch("c_1", vec![msg(7, "fourth", "m4")], st);
+    batch.client_msg_ids = vec![("m4".into(), 7)];
+    batch.forget_client_msg_ids_before = 6;
+    append(&store, batch).await.unwrap();
+    let after = store.snapshot("c_1", 0, 100).await.unwrap().unwrap();
+    assert_eq!(
+        after.client_msg_ids,
+        [("m3".to_string(), 6), ("m4".to_string(), 7)]
+    );
+}
+
+#[test]
+fn a_store_of_the_release_before_versions_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    // As that release left it: the tables, no index on client_msgs' seq,
+    // user_version 0.
+    let old = Connection::open(&path).unwrap();
+    old.execute_batch(SCHEMA).unwrap();
+    old.execute(
+        "INSERT INTO client_msgs (conversation_id, client_msg_id, seq) VALUES ('c_1', 'm1', 3)",
+        [],
+    )
+    .unwrap();
+    assert_eq!(migrate::version(&old), 0);
+    drop(old);
+
+    let conn = open_writer(&path).unwrap();
+    assert_eq!(migrate::version(&conn), migrate::VERSION);
+    let plan: String = conn
+        .query_row(
+            "EXPLAIN QUERY PLAN SELECT seq FROM client_msgs \
+             WHERE conversation_id = 'c_1' AND seq < 5",
+            [],
+            |row| row.get(3),
+        )
+        .unwrap();
+    assert!(plan.contains("client_msgs_by_seq"), "{plan}");
+    let kept: u64 = conn
+        .query_row(
+            "SELECT seq FROM client_msgs WHERE client_msg_id = 'm1'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(kept, 3, "the ids are kept");
+    drop(conn);
+    // Opened again: nothing to do.
+    assert_eq!(
+        migrate::version(&open_writer(&path).unwrap()),
+        migrate::VERSION
+    );
+
+    // A newer release's store is refused, not misread.
+    let newer = Connection::open(&path).unwrap();
+    newer
+        .pragma_update(None, "user_version", migrate::VERSION + 1)
+        .unwrap();
+    drop(newer);
+    let refused = open_writer(&path).err().map(|e| e.to_string());
+    assert!(refused.is_some_and(|e| e.contains("newer linger")));
 }
 
 #[tokio::test]
@@ -365,7 +439,7 @@ async fn delete_removes_everything() {
     assert!(!store.delete("c_1").await.unwrap());
     assert!(store.get("c_1").await.unwrap().is_none());
     assert!(store.events("c_1", 0, 10).await.unwrap().is_empty());
-    assert!(store.snapshot("c_1", 10).await.unwrap().is_none());
+    assert!(store.snapshot("c_1", 10, 10).await.unwrap().is_none());
     assert_eq!(store.get("c_2").await.unwrap().unwrap().head_seq, 1);
     // The id may be used again from scratch, client_msg_ids included.
     let mut batch = create_batch("c_1", "bob");

@@ -469,12 +469,30 @@ pub(super) fn append<'a>(
             "INSERT INTO events (conversation_id, seq, ts, kind, data) VALUES (?1, ?2, ?3, ?4, ?5)",
         )?;
         for ev in &batch.events {
-            stmt.execute(params![id, clamp_i64(ev.seq), ev.ts, &*ev.kind, ev.data])?;
+            stmt.execute(params![
+                id,
+                clamp_i64(ev.seq),
+                ev.ts(),
+                &*ev.kind,
+                ev.data()
+            ])?;
         }
     }
+    if batch.forget_client_msg_ids_before > 0 {
+        // Those before the window, found by the (conversation_id, seq)
+        // index; this also drops what a store written before the window
+        // existed held beyond it. First, so that an id that left the
+        // window and comes back is recorded anew.
+        conn.prepare_cached("DELETE FROM client_msgs WHERE conversation_id = ?1 AND seq < ?2")?
+            .execute(params![id, clamp_i64(batch.forget_client_msg_ids_before)])?;
+    }
     if !batch.client_msg_ids.is_empty() {
+        // An id the conversation no longer remembers may still be stored
+        // (kept by a store written before the window existed): the new
+        // message takes its place.
         let mut stmt = conn.prepare_cached(
-            "INSERT INTO client_msgs (conversation_id, client_msg_id, seq) VALUES (?1, ?2, ?3)",
+            "INSERT OR REPLACE INTO client_msgs (conversation_id, client_msg_id, seq) \
+             VALUES (?1, ?2, ?3)",
         )?;
         for (client_msg_id, seq) in &batch.client_msg_ids {
             stmt.execute(params![id, client_msg_id, clamp_i64(*seq)])?;
