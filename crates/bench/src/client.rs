@@ -299,6 +299,13 @@ impl Latencies {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+
+    /// What was recorded since the last take (a window of a soak), leaving
+    /// the histogram empty.
+    pub fn take(&self) -> Histogram<u64> {
+        let mut h = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *h, super::histogram())
+    }
 }
 
 impl LocalLatencies {
