@@ -237,7 +237,8 @@ pub async fn sample(
         let window = shared.latencies.take();
         let _ = latency.add(&window);
         let current = *pid.borrow();
-        let stats = current.and_then(ProcStats::read);
+        // A killed process not yet reaped has no VmRSS: no figure, not 0.
+        let stats = current.and_then(ProcStats::read).filter(|s| s.rss_kib > 0);
         let cpu_pct = match (current, stats, cpu_before) {
             (Some(p), Some(s), Some((q, cpu))) if p == q => Some((s.cpu_secs - cpu) / secs * 100.0),
             _ => None,
