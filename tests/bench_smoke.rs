@@ -1,7 +1,7 @@
 //! `linger bench` runs end to end against a spawned linger and the relay:
 //! small scenarios, checked for what the load generator itself guarantees
-//! (every stream finished, no gap, no duplicate). Speed is not asserted
-//! here; BENCHMARKS.md reports it.
+//! (every stream finished, no gap, no duplicate; the soak's samples and
+//! chart written). Speed is not asserted here; BENCHMARKS.md reports it.
 
 use std::process::Command;
 
@@ -79,4 +79,80 @@ fn compact_sends_a_fresh_client_less_than_full() {
     for name in ["first text p50 (compact)", "whole history p50 (compact)"] {
         assert!(value(name) > 0.0, "{name}: {report}");
     }
+}
+
+/// 20 s of soak with churn, one SIGKILL and restart, and a full disk (as
+/// root, where a tmpfs can be mounted; the bench says when it cannot and
+/// runs the kill alone).
+#[test]
+fn soak_with_a_kill_and_a_full_disk_keeps_every_stream_whole() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("soak.json");
+    let out_arg = out.to_str().expect("a UTF-8 temp path");
+    let report = bench(&[
+        "soak",
+        "--seconds",
+        "20",
+        "-c",
+        "20",
+        "-t",
+        "20",
+        "--interval-ms",
+        "50",
+        "--churn-every",
+        "2s",
+        "--churn-fraction",
+        "0.2",
+        "--sample-every",
+        "2s",
+        "--faults",
+        "--kill-every",
+        "8s",
+        "--disk-full-at",
+        "11s",
+        "--disk-full-hold",
+        "2s",
+        "--out",
+        out_arg,
+    ]);
+    let value = |name: &str| figure(&report, name)["linger"].as_f64().unwrap_or(-1.0);
+    for name in [
+        "gaps",
+        "duplicates",
+        "renumbered",
+        "seen but above head",
+        "clients that could not go on",
+    ] {
+        assert_eq!(value(name), 0.0, "{name}: {report}");
+    }
+    assert_eq!(value("SIGKILLs"), 1.0, "{report}");
+    assert_eq!(value("restarts serving"), 1.0, "{report}");
+    assert!(value("resumes") >= 20.0, "every client came back: {report}");
+    assert!(value("seqs sent again and compared") > 0.0, "{report}");
+    assert!(value("turns finished") > 0.0, "{report}");
+
+    let file: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("the JSON file")).expect("JSON");
+    let samples = file["samples"].as_array().expect("samples");
+    assert!(samples.len() >= 5, "{file}");
+    assert!(
+        samples.iter().any(|s| s["rss_mib"].as_f64().is_some()),
+        "{file}"
+    );
+    if let Some(skipped) = file["disk_full"]["skipped"].as_str() {
+        eprintln!("the disk-full episode was skipped: {skipped}");
+    } else {
+        assert!(
+            file["disk_full"]["healthz_503"].as_u64() >= Some(1),
+            "{file}"
+        );
+        assert!(
+            file["disk_full"]["appends_after_s"].as_f64().is_some(),
+            "appends worked again: {file}"
+        );
+    }
+    let svg = std::fs::read_to_string(out.with_extension("svg")).expect("the chart");
+    assert!(svg.trim_start().starts_with("<svg"), "{svg}");
+    assert!(svg.trim_end().ends_with("</svg>"), "{svg}");
+    assert!(svg.contains("server RSS") && svg.contains("SIGKILL"));
 }

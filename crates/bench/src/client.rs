@@ -12,6 +12,7 @@ use hdrhistogram::Histogram;
 use serde::Deserialize;
 use serde_json::Value;
 use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
@@ -58,12 +59,17 @@ impl Frame<'_> {
     /// machine, which the server shares). `ts` has millisecond resolution,
     /// so this reads up to 1 ms high.
     pub fn latency_us(&self) -> Option<u64> {
-        let ts = humantime::parse_rfc3339(self.ts.as_deref()?).ok()?;
-        let d = SystemTime::now()
-            .duration_since(ts)
-            .unwrap_or(Duration::ZERO);
-        Some(d.as_micros() as u64)
+        latency_us(self.ts.as_deref()?)
     }
+}
+
+/// Microseconds from an event's `ts` (RFC 3339) to now.
+pub fn latency_us(ts: &str) -> Option<u64> {
+    let ts = humantime::parse_rfc3339(ts).ok()?;
+    let d = SystemTime::now()
+        .duration_since(ts)
+        .unwrap_or(Duration::ZERO);
+    Some(d.as_micros() as u64)
 }
 
 impl Client {
@@ -91,6 +97,34 @@ impl Client {
         }
         Err(last.unwrap_or_else(|| anyhow!("no attempt")))
             .with_context(|| format!("connecting {url}"))
+    }
+
+    /// Sets up one generator client: connects as `user` (at most as many
+    /// at once as `connecting` allows), creates a conversation, and reports
+    /// to `ready`. Returns the client, its conversation and the seq of the
+    /// last event `create` brought, or none when it failed (reported).
+    pub async fn set_up(
+        url: &str,
+        user: &str,
+        connecting: &Semaphore,
+        ready: &mpsc::UnboundedSender<Result<(), String>>,
+    ) -> Option<(Client, String, u64)> {
+        let setup = async {
+            let _permit = connecting.acquire().await?;
+            let mut client = Client::connect(url, user).await?;
+            let (id, head) = client.create(super::SETUP_TIMEOUT).await?;
+            anyhow::Ok((client, id, head))
+        };
+        match setup.await {
+            Ok(ok) => {
+                let _ = ready.send(Ok(()));
+                Some(ok)
+            }
+            Err(e) => {
+                let _ = ready.send(Err(format!("{e:#}")));
+                None
+            }
+        }
     }
 
     pub async fn send(&mut self, frame: Value) -> anyhow::Result<()> {
@@ -264,6 +298,13 @@ impl Latencies {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// What was recorded since the last take (a window of a soak), leaving
+    /// the histogram empty.
+    pub fn take(&self) -> Histogram<u64> {
+        let mut h = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *h, super::histogram())
     }
 }
 

@@ -15,6 +15,9 @@
 //!   nodes, and the takeover of a killed node's conversations
 //!   ([`takeover`]); it spawns everything itself ([`nats`] for the NATS
 //!   servers), and is not part of `all` (it needs `nats-server`).
+//! - [`soak`]: minutes or hours of steady load with reconnect churn (and
+//!   with `--faults` SIGKILLs and a full disk), sampled every few seconds
+//!   into a JSON file and an SVG chart; not part of `all` (it is long).
 //!
 //! With `--spawn` every scenario runs against a fresh `linger serve` (the
 //! executable this runs in, temporary store) and then against the `relay`
@@ -38,6 +41,7 @@ mod memory;
 mod nats;
 mod replay;
 mod report;
+mod soak;
 mod storm;
 mod streaming;
 mod takeover;
@@ -117,6 +121,12 @@ pub enum Scenario {
     /// owning N conversations: time until each is recorded node_lost and
     /// reattachable on a survivor.
     Cluster(cluster::ClusterArgs),
+    /// Steady load for --minutes with reconnect churn (and with --faults a
+    /// SIGKILL and restart every --kill-every and one full disk): RSS, CPU,
+    /// p99 and events/s every few seconds into --out (JSON) and a chart
+    /// beside it (SVG); fails if any client saw a seq lost, doubled or
+    /// renumbered.
+    Soak(soak::SoakArgs),
     /// Every scenario with the parameters of BENCHMARKS.md.
     All,
 }
@@ -150,6 +160,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Scenario::Replay(a) => vec![replay::run(&common, &a).await?],
             Scenario::Compact(a) => vec![compact::run(&common, &a).await?],
             Scenario::Cluster(a) => cluster::run(&common, &a).await?,
+            Scenario::Soak(a) => vec![soak::run(&common, &a).await?],
             Scenario::All => unreachable!("expanded above"),
         };
         for report in these {

@@ -243,21 +243,10 @@ impl Job {
         done: mpsc::UnboundedSender<Outcome>,
         mut phase: watch::Receiver<u8>,
     ) {
-        let setup = async {
-            let _permit = connecting.acquire().await?;
-            let mut client = Client::connect(&self.url, &self.user).await?;
-            let (id, head) = client.create(super::SETUP_TIMEOUT).await?;
-            anyhow::Ok((client, id, head))
-        };
-        let (client, id, head) = match setup.await {
-            Ok(ok) => {
-                let _ = ready.send(Ok(()));
-                ok
-            }
-            Err(e) => {
-                let _ = ready.send(Err(format!("{e:#}")));
-                return;
-            }
+        let Some((client, id, head)) =
+            Client::set_up(&self.url, &self.user, &connecting, &ready).await
+        else {
+            return;
         };
         if phase.wait_for(|p| *p >= GO).await.is_err() || *phase.borrow() >= DONE {
             return;

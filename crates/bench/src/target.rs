@@ -1,8 +1,9 @@
 //! The server under load: a `linger serve` or `relay` the bench spawns on a
-//! free loopback port (and kills after), or one already running; and its
-//! CPU time and memory, read from /proc.
+//! free loopback port (and kills after, or kills and starts again on the
+//! same store and port), or one already running; and its CPU time and
+//! memory, read from /proc.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -42,6 +43,8 @@ pub struct Target {
     external: bool,
     child: Option<Child>,
     dir: Option<PathBuf>,
+    /// A spawned linger's environment, to start it again as it was.
+    env: Vec<(String, String)>,
 }
 
 /// A process's CPU time and memory (Linux /proc).
@@ -105,6 +108,7 @@ impl Target {
             external: true,
             child: None,
             dir: None,
+            env: Vec::new(),
         }
     }
 
@@ -129,6 +133,18 @@ impl Target {
         common: &Common,
         linger_overrides: &[(&str, String)],
     ) -> anyhow::Result<Target> {
+        Target::spawn_with_store(server, common, linger_overrides, None).await
+    }
+
+    /// As [`Target::spawn`], with linger's store at `store` when given
+    /// (a small filesystem the caller mounted) instead of the temporary
+    /// directory.
+    pub async fn spawn_with_store(
+        server: Server,
+        common: &Common,
+        linger_overrides: &[(&str, String)],
+        store: Option<&Path>,
+    ) -> anyhow::Result<Target> {
         let exe = std::env::current_exe().context("locating this executable")?;
         let dir = std::env::temp_dir().join(format!(
             "linger-bench-{}-{}",
@@ -136,25 +152,29 @@ impl Target {
             ulid::Ulid::new()
         ));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut cmd = match server {
+        let mut env = Vec::new();
+        let cmd = match server {
             Server::Linger | Server::Cluster => {
-                let config = dir.join("bench.toml");
-                std::fs::write(&config, "")?;
-                let mut cmd = Command::new(&exe);
-                cmd.arg("serve").arg("--config").arg(&config);
-                cmd.env("LINGER__SERVER__LISTEN", "127.0.0.1:0")
-                    .env("LINGER__STORE__PATH", dir.join("data"))
-                    .env("LINGER__LOG__FORMAT", "json");
+                let store = store.map_or_else(|| dir.join("data"), Path::to_path_buf);
+                env.push((
+                    "LINGER__SERVER__LISTEN".to_owned(),
+                    "127.0.0.1:0".to_owned(),
+                ));
+                env.push((
+                    "LINGER__STORE__PATH".to_owned(),
+                    store.to_string_lossy().into_owned(),
+                ));
+                env.push(("LINGER__LOG__FORMAT".to_owned(), "json".to_owned()));
                 for (key, value) in linger_overrides {
-                    cmd.env(env_key(key), value);
+                    env.push((env_key(key), value.clone()));
                 }
                 for kv in &common.overrides {
                     let (key, value) = kv
                         .split_once('=')
                         .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
-                    cmd.env(env_key(key), value);
+                    env.push((env_key(key), value.to_owned()));
                 }
-                cmd
+                linger_command(&exe, &dir, &env)?
             }
             Server::Relay => {
                 let relay = exe.with_file_name("relay");
@@ -169,54 +189,51 @@ impl Target {
                 cmd
             }
         };
-        cmd.current_dir(&dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().context("spawning the server")?;
-        let pid = child.id();
-        let stderr = child.stderr.take().context("the server's stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        let mut log = tokio::fs::File::create(dir.join("server.log")).await?;
-        let find = async {
-            // Bounded: start-up logs a handful of lines.
-            for _ in 0..1000 {
-                let Some(line) = lines.next_line().await? else {
-                    break;
-                };
-                log.write_all(line.as_bytes()).await?;
-                log.write_all(b"\n").await?;
-                if let Some(addr) = listening_on(&line) {
-                    return Ok(addr);
-                }
-            }
-            Err(anyhow!("the server exited without saying where it listens"))
-        };
-        let addr = match tokio::time::timeout(START_TIMEOUT, find).await {
-            Ok(Ok(addr)) => addr,
-            Ok(Err(e)) => {
-                return Err(e.context(format!("see {}", dir.join("server.log").display())))
-            }
-            Err(_) => bail!("the server did not start within {START_TIMEOUT:?}"),
-        };
-        // Keep draining its log so that it never blocks on stderr.
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = lines.next_line().await {
-                if log.write_all(line.as_bytes()).await.is_err() {
-                    break;
-                }
-                let _ = log.write_all(b"\n").await;
-            }
-        });
+        let (child, addr) = launch(cmd, &dir).await?;
         Ok(Target {
             server,
             url: format!("ws://{addr}/v1/ws"),
-            pid,
+            pid: child.id(),
             external: false,
             child: Some(child),
             dir: Some(dir),
+            env,
         })
+    }
+
+    /// Starts a spawned linger again after [`Target::kill`], on the same
+    /// store and the same port (clients come back to the URL they had).
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        if self.child.is_some() {
+            bail!("the server is still running");
+        }
+        let dir = self
+            .dir
+            .clone()
+            .ok_or_else(|| anyhow!("only a spawned server can be restarted"))?;
+        if self.env.is_empty() {
+            bail!("only a spawned linger can be restarted");
+        }
+        let addr = self
+            .url
+            .strip_prefix("ws://")
+            .and_then(|u| u.strip_suffix("/v1/ws"))
+            .ok_or_else(|| anyhow!("unexpected url {}", self.url))?
+            .to_owned();
+        for (key, value) in &mut self.env {
+            if key == "LINGER__SERVER__LISTEN" {
+                value.clone_from(&addr);
+            }
+        }
+        let exe = std::env::current_exe().context("locating this executable")?;
+        let cmd = linger_command(&exe, &dir, &self.env)?;
+        let (child, now_at) = launch(cmd, &dir).await?;
+        if now_at != addr {
+            bail!("restarted on {now_at}, not on {addr}");
+        }
+        self.pid = child.id();
+        self.child = Some(child);
+        Ok(())
     }
 
     /// The HTTP base of its REST API (`http://127.0.0.1:PORT`).
@@ -256,6 +273,65 @@ impl Target {
             }
         }
     }
+}
+
+/// `linger serve` with an empty config file in `dir` and `env`.
+fn linger_command(exe: &Path, dir: &Path, env: &[(String, String)]) -> anyhow::Result<Command> {
+    let config = dir.join("bench.toml");
+    std::fs::write(&config, "").with_context(|| format!("writing {}", config.display()))?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("serve").arg("--config").arg(&config);
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
+    Ok(cmd)
+}
+
+/// Starts `cmd` in `dir` and waits until it says where it listens; its
+/// log is appended to `server.log` there (a restart adds to it).
+async fn launch(mut cmd: Command, dir: &Path) -> anyhow::Result<(Child, String)> {
+    cmd.current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().context("spawning the server")?;
+    let stderr = child.stderr.take().context("the server's stderr")?;
+    let mut lines = BufReader::new(stderr).lines();
+    let log_path = dir.join("server.log");
+    let mut log = tokio::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .await
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let find = async {
+        // Bounded: start-up logs a handful of lines.
+        for _ in 0..1000 {
+            let Some(line) = lines.next_line().await? else {
+                break;
+            };
+            log.write_all(line.as_bytes()).await?;
+            log.write_all(b"\n").await?;
+            if let Some(addr) = listening_on(&line) {
+                return Ok(addr);
+            }
+        }
+        Err(anyhow!("the server exited without saying where it listens"))
+    };
+    let addr = match tokio::time::timeout(START_TIMEOUT, find).await {
+        Ok(Ok(addr)) => addr,
+        Ok(Err(e)) => return Err(e.context(format!("see {}", log_path.display()))),
+        Err(_) => bail!("the server did not start within {START_TIMEOUT:?}"),
+    };
+    // Keep draining its log so that it never blocks on stderr.
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if log.write_all(line.as_bytes()).await.is_err() {
+                break;
+            }
+            let _ = log.write_all(b"\n").await;
+        }
+    });
+    Ok((child, addr))
 }
 
 /// `conversations.replay_buffer_events` → `LINGER__CONVERSATIONS__REPLAY_BUFFER_EVENTS`.
