@@ -38,9 +38,9 @@ fn events(conversation: &str, from: u64, n: u64, tag: &str) -> Vec<Arc<EventReco
             Arc::new(EventRecord::from_parts(
                 conversation,
                 seq,
-                "2026-01-01T00:00:00.000Z".into(),
+                "2026-01-01T00:00:00.000Z",
                 Arc::from("text_delta"),
-                serde_json::json!({ "turn_id": "t", "text": format!("{tag}{seq}") }).to_string(),
+                &serde_json::json!({ "turn_id": "t", "text": format!("{tag}{seq}") }).to_string(),
             ))
         })
         .collect()

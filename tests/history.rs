@@ -336,7 +336,7 @@ async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_histo
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 1);
+    assert_eq!(version, 2);
     let mut stmt = conn
         .prepare("SELECT client_msg_id, seq FROM client_msgs ORDER BY seq")
         .unwrap();
@@ -346,6 +346,58 @@ async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_histo
         .collect::<Result<_, _>>()
         .unwrap();
     assert_eq!(ids, [("m-5".to_owned(), 9), ("m-1".to_owned(), seq(&m1))]);
+}
+
+/// A store written by the release before event runs (store format 1,
+/// commit f8b6101), by its own binary and CLI: alice's conversation
+/// [`FORMAT_1_ID`], "hello", "/stream 300 0" and "bye", each answered, then
+/// the server stopped (head 317).
+const FORMAT_1: &str = "tests/fixtures/store-format-1/linger.db";
+const FORMAT_1_ID: &str = "c_01M8T2HCN1T2RG919EDJTX596W";
+
+#[tokio::test]
+async fn a_store_of_format_1_is_migrated_to_event_runs_and_keeps_its_history() {
+    let store = tempfile::tempdir().unwrap();
+    let db = store.path().join("linger.db");
+    std::fs::copy(FORMAT_1, &db).unwrap();
+    let path = store.path().to_path_buf();
+    let server = TestServer::start_with(move |c| c.store.path = path).await;
+    let (status, summary) = server
+        .get(&format!("/v1/conversations/{FORMAT_1_ID}"), Some("alice"))
+        .await;
+    assert_eq!(
+        (status, &summary["head_seq"], &summary["title"]),
+        (200, &json!(317), &json!("written by format 1")),
+        "{summary}"
+    );
+    // The whole history replays from the store, in order, across runs.
+    let mut client = server.connect("alice").await;
+    let attached = client.attach(FORMAT_1_ID, 0).await;
+    assert_eq!(attached["replay_from"], 1, "{attached}");
+    let events = client.events(FORMAT_1_ID, 318).await;
+    assert_contiguous(&events, 1);
+    let streamed: String = events
+        .iter()
+        .filter(|e| is_event(e, "text_delta"))
+        .filter_map(|e| e["data"]["text"].as_str())
+        .collect();
+    assert!(streamed.contains("tok1 ") && streamed.contains("tok300 "));
+    assert!(is_event(&events[316], "agent_stopped"), "{}", events[316]);
+    assert!(is_event(&events[317], "agent_started"), "{}", events[317]);
+    // It goes on, and what it adds is read back after what was migrated.
+    client.send_message(FORMAT_1_ID, "again").await;
+    let turn = client.events_until_turn_finished(FORMAT_1_ID).await;
+    assert_contiguous(&turn, 319);
+    let mut reader = server.connect("alice").await;
+    reader.attach(FORMAT_1_ID, 310).await;
+    let tail = reader.events(FORMAT_1_ID, turn.len() + 8).await;
+    assert_contiguous(&tail, 311);
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 2);
+    server.shutdown().await;
 }
 
 #[tokio::test]

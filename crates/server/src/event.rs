@@ -167,11 +167,11 @@ impl EventRecord {
     pub fn from_parts(
         conversation_id: &str,
         seq: u64,
-        ts: String,
+        ts: &str,
         kind: Arc<str>,
-        data: String,
+        data: &str,
     ) -> EventRecord {
-        EventRecord::build(conversation_id, seq, &ts, kind, data.len(), |frame| {
+        EventRecord::build(conversation_id, seq, ts, kind, data.len(), |frame| {
             frame.extend_from_slice(data.as_bytes())
         })
     }
@@ -212,9 +212,7 @@ impl EventRecord {
             },
             // Every part is a string or JSON written by serde_json, so UTF-8;
             // were it not, the event's data is an empty object, not a panic.
-            Err(_) => {
-                EventRecord::from_parts(conversation_id, seq, ts.to_owned(), kind, "{}".into())
-            }
+            Err(_) => EventRecord::from_parts(conversation_id, seq, ts, kind, "{}"),
         }
     }
 
@@ -303,13 +301,8 @@ mod tests {
         );
         assert_eq!(rec.data(), serde_json::to_string(&data).unwrap());
         // Read back from a store, the same record.
-        let back = EventRecord::from_parts(
-            "c_\"1",
-            3,
-            rec.ts().to_owned(),
-            intern_kind("tool_call"),
-            rec.data().to_owned(),
-        );
+        let back =
+            EventRecord::from_parts("c_\"1", 3, rec.ts(), intern_kind("tool_call"), rec.data());
         assert_eq!(
             (back.frame.as_str(), back.ts(), back.data()),
             (rec.frame.as_str(), rec.ts(), rec.data())

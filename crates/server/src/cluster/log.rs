@@ -769,9 +769,9 @@ fn decode(conversation: &str, g: &Group) -> Result<Vec<EventRecord>, ClusterErro
         out.push(EventRecord::from_parts(
             conversation,
             l.seq,
-            l.ts.to_owned(),
+            l.ts,
             intern_kind(l.kind),
-            l.data.get().to_owned(),
+            l.data.get(),
         ));
     }
     Ok(out)
@@ -785,9 +785,9 @@ mod tests {
         Arc::new(EventRecord::from_parts(
             "c_1",
             seq,
-            "2026-01-01T00:00:00.000Z".into(),
+            "2026-01-01T00:00:00.000Z",
             Arc::from("text_delta"),
-            serde_json::json!({ "turn_id": "t", "text": text }).to_string(),
+            &serde_json::json!({ "turn_id": "t", "text": text }).to_string(),
         ))
     }
 

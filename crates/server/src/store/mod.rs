@@ -153,6 +153,12 @@ impl From<rusqlite::Error> for StoreError {
     }
 }
 
+impl From<rusqlite::types::FromSqlError> for StoreError {
+    fn from(e: rusqlite::types::FromSqlError) -> Self {
+        StoreError::Backend(e.to_string())
+    }
+}
+
 /// Whether the store can write, as its last writes found: `/healthz`
 /// answers 503 with the reason while it cannot. The writer records every
 /// commit's outcome; a failing store is probed until a write works again.

@@ -1,5 +1,5 @@
 //! Opening the database: the write connection (WAL, the pragmas, the
-//! schema applied and migrated), and the pool of read-only connections reads run on.
+//! tables created or migrated), and the pool of read-only connections reads run on.
 
 use super::*;
 
@@ -23,7 +23,6 @@ pub(super) fn open_writer(path: &Path) -> Result<Connection, StoreError> {
     conn.pragma_update(None, "foreign_keys", false)?;
     conn.busy_timeout(Duration::from_secs(5))?;
     conn.set_prepared_statement_cache_capacity(64);
-    conn.execute_batch(SCHEMA)?;
     migrate::migrate(&mut conn)?;
     Ok(conn)
 }

@@ -3,22 +3,37 @@
 //! connection at open, each in its own transaction with the version it
 //! reaches, so that a store is either before or after a step.
 //!
-//! - 0: the release before versions (and a new, empty database).
+//! - 0: linger 0.1.0, the release before versions (one row per event in
+//!   `events`, indexed by `ts`).
 //! - 1: `client_msgs` has an index on `(conversation_id, seq)`: the
 //!   `client_msg_id` window is read newest first and pruned below its first
 //!   seq without scanning a conversation's ids.
+//! - 2: the events of one conversation committed together are one row of
+//!   `event_runs` (see `runs.rs`); `events` and its `ts` index are gone; the
+//!   conversations row is written only when a field only it records
+//!   changes (see [`META_SELECT`]).
+//!
+//! A new store is created at the latest version directly.
 
+use std::time::Instant;
+
+use serde_json::value::RawValue;
+
+use super::runs::{insert_run, RunEvent, RUN_MAX_EVENTS};
 use super::*;
 
 /// The version this release writes.
-pub(super) const VERSION: i64 = 1;
+pub(super) const VERSION: i64 = 2;
 
-/// The steps, each from the version before it to its number.
-const STEPS: [&str; VERSION as usize] =
-    ["CREATE INDEX IF NOT EXISTS client_msgs_by_seq ON client_msgs (conversation_id, seq);"];
+/// One step, from the version before it to the next.
+type Step = fn(&Connection) -> Result<(), StoreError>;
 
-/// Brings the database at `conn` (its tables created) to [`VERSION`];
-/// refuses one written by a newer release, which this one cannot read.
+/// The steps, the first from version 0 to 1.
+const STEPS: [Step; VERSION as usize] = [client_msgs_by_seq, events_into_runs];
+
+/// Brings the database at `conn` to [`VERSION`]: creates the tables of a new
+/// one, migrates one written by an earlier release, and refuses one written
+/// by a newer release, which this one cannot read.
 pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
     let found: i64 = conn.pragma_query_value(None, "user_version", |row| row.get(0))?;
     if found > VERSION {
@@ -27,14 +42,135 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
              this one reads up to version {VERSION}"
         )));
     }
-    for (to, step) in (1..).zip(STEPS).skip(usize::try_from(found).unwrap_or(0)) {
+    if found == 0 && !has_table(conn, "conversations")? {
         let tx = conn.transaction()?;
-        tx.execute_batch(step)?;
+        tx.execute_batch(SCHEMA)?;
+        tx.execute_batch(EVENT_RUNS)?;
+        tx.pragma_update(None, "user_version", VERSION)?;
+        tx.commit()?;
+        return Ok(());
+    }
+    for (to, step) in (1..).zip(STEPS).skip(usize::try_from(found).unwrap_or(0)) {
+        let started = Instant::now();
+        tracing::info!(from = to - 1, to, "store: upgrading the store's format");
+        let tx = conn.transaction()?;
+        step(&tx)?;
         tx.pragma_update(None, "user_version", to)?;
         tx.commit()?;
+        tracing::info!(
+            version = to,
+            took_ms = started.elapsed().as_millis() as u64,
+            "store: format upgraded"
+        );
     }
     Ok(())
 }
+
+fn has_table(conn: &Connection, name: &str) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = ?1")?
+        .exists([name])?)
+}
+
+/// 0 to 1.
+fn client_msgs_by_seq(tx: &Connection) -> Result<(), StoreError> {
+    tx.execute_batch(
+        "CREATE INDEX IF NOT EXISTS client_msgs_by_seq ON client_msgs (conversation_id, seq);",
+    )?;
+    Ok(())
+}
+
+/// 1 to 2: every conversation's events, in seq order, become runs of at
+/// most [`RUN_MAX_EVENTS`] consecutive events; then `events` (and its `ts`
+/// index) is dropped. The conversations rows stay: their head is exact.
+fn events_into_runs(tx: &Connection) -> Result<(), StoreError> {
+    tx.execute_batch(EVENT_RUNS)?;
+    let total: u64 = tx.query_row("SELECT count(*) FROM events", [], |row| row.get(0))?;
+    tracing::info!(events = total, "store: gathering the events into runs");
+    let mut read = tx.prepare(
+        "SELECT conversation_id, seq, ts, kind, data FROM events ORDER BY conversation_id, seq",
+    )?;
+    let mut rows = read.query([])?;
+    // (seq, ts, kind, data) of the run being gathered, of `run_id`.
+    let mut run: Vec<(u64, String, String, String)> = Vec::with_capacity(RUN_MAX_EVENTS);
+    let mut run_id = String::new();
+    let flush = |run_id: &str, run: &[(u64, String, String, String)]| {
+        insert_run(
+            tx,
+            run_id,
+            run.iter().map(|(seq, ts, kind, data)| RunEvent {
+                seq: *seq,
+                ts,
+                kind,
+                data,
+            }),
+        )
+    };
+    while let Some(row) = rows.next()? {
+        let id = row.get_ref(0)?.as_str()?;
+        let seq: u64 = row.get(1)?;
+        let follows = run.last().is_some_and(|last| last.0 + 1 == seq);
+        if !run.is_empty() && (id != run_id || !follows || run.len() >= RUN_MAX_EVENTS) {
+            flush(&run_id, &run)?;
+            run.clear();
+        }
+        if run.is_empty() {
+            id.clone_into(&mut run_id);
+        }
+        let data: String = row.get(4)?;
+        // A run embeds data as JSON: check, rather than write a run that
+        // can never be read back.
+        if serde_json::from_str::<&RawValue>(&data).is_err() {
+            return Err(StoreError::Backend(format!(
+                "upgrading the store: conversation {run_id}: event {seq} has data that is \
+                 not JSON"
+            )));
+        }
+        run.push((seq, row.get(2)?, row.get(3)?, data));
+    }
+    if !run.is_empty() {
+        flush(&run_id, &run)?;
+    }
+    drop(rows);
+    drop(read);
+    tx.execute_batch("DROP TABLE events;")?;
+    Ok(())
+}
+
+/// The tables of a store of version 0, exactly as linger 0.1.0 created them:
+/// what the migration tests build their stores with.
+#[cfg(test)]
+pub(super) const V0_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS conversations (
+    id                    TEXT PRIMARY KEY NOT NULL,
+    user                  TEXT NOT NULL,
+    title                 TEXT NOT NULL,
+    status                TEXT NOT NULL,
+    created_at            TEXT NOT NULL,
+    last_activity_at      TEXT NOT NULL,
+    head_seq              INTEGER NOT NULL,
+    close_delay_ms        INTEGER,
+    observers             TEXT NOT NULL DEFAULT '[]',
+    current_turn_id       TEXT,
+    last_turn_message_seq INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations (user);
+CREATE TABLE IF NOT EXISTS events (
+    conversation_id TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    ts              TEXT NOT NULL,
+    kind            TEXT NOT NULL,
+    data            TEXT NOT NULL,
+    PRIMARY KEY (conversation_id, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS events_by_ts ON events (ts);
+CREATE TABLE IF NOT EXISTS client_msgs (
+    conversation_id TEXT NOT NULL,
+    client_msg_id   TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    PRIMARY KEY (conversation_id, client_msg_id)
+) WITHOUT ROWID;
+";
 
 /// The store's format version.
 #[cfg(test)]

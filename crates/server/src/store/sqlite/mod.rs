@@ -1,5 +1,6 @@
 //! The embedded SQLite history store: one database file (`linger.db`, WAL
-//! mode) holding every conversation's summary row, its events and the
+//! mode) holding every conversation's summary row, its events (in runs: the
+//! events of one conversation committed together are one row) and the
 //! `client_msg_id`s it has seen.
 //!
 //! It owns three things:
@@ -25,8 +26,9 @@
 //!
 //! Files: `schema.rs` (tables, rows to types), `migrate.rs` (the format
 //! version and the steps from earlier ones), `connections.rs` (opening
-//! connections, the read pool), `queries.rs` (reads), `writer.rs` (the
-//! writer thread and the writes), `checkpoint.rs`, `threads.rs`.
+//! connections, the read pool), `runs.rs` (events in runs: encoding,
+//! reading), `queries.rs` (reads), `writer.rs` (the writer thread and the
+//! writes), `checkpoint.rs`, `threads.rs`.
 //!
 //! The store checks what it is given: an append whose events do not follow
 //! the stored `head_seq` one by one, that creates an existing conversation or
@@ -45,6 +47,7 @@ mod checkpoint;
 mod connections;
 mod migrate;
 mod queries;
+mod runs;
 mod schema;
 #[cfg(test)]
 mod tests;
@@ -63,6 +66,7 @@ use crate::event::{intern_kind, EventRecord};
 use crate::protocol::Status;
 use checkpoint::*;
 use connections::*;
+use runs::*;
 use schema::*;
 use threads::*;
 use writer::*;
@@ -72,10 +76,10 @@ use writer::*;
 /// not held back for long.
 const MAX_GROUP: usize = 4096;
 
-/// Events a prune deletes per transaction: a first prune of a large history
+/// Runs a prune looks at per transaction: a first prune of a large history
 /// runs as many small steps between groups of appends, instead of one long
 /// transaction that would hold every append back.
-const PRUNE_CHUNK: i64 = 2000;
+const PRUNE_CHUNK: i64 = 256;
 
 /// Idle read connections kept for reuse; more may be open while busy.
 const MAX_IDLE_READERS: usize = 4;

@@ -8,9 +8,7 @@ pub(super) fn get_meta(
     id: &str,
 ) -> Result<Option<ConversationMeta>, StoreError> {
     let raw = conn
-        .prepare_cached(&format!(
-            "SELECT {META_COLUMNS} FROM conversations WHERE id = ?1"
-        ))?
+        .prepare_cached(&format!("{META_SELECT} WHERE c.id = ?1"))?
         .query_row([id], RawMeta::from_row)
         .optional()?;
     raw.map(RawMeta::into_meta).transpose()
@@ -25,17 +23,14 @@ pub(super) fn list(
     let rows = match user {
         Some(user) => {
             let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {META_COLUMNS} FROM conversations WHERE user = ?1 \
-                         ORDER BY last_activity_at DESC, id"
+                "{META_SELECT} WHERE c.user = ?1 ORDER BY activity DESC, c.id"
             ))?;
             let rows = stmt.query_map([user], RawMeta::from_row)?;
             rows.collect::<Result<Vec<_>, _>>()?
         }
         None => {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {META_COLUMNS} FROM conversations \
-                         ORDER BY last_activity_at DESC, id"
-            ))?;
+            let mut stmt =
+                conn.prepare_cached(&format!("{META_SELECT} ORDER BY activity DESC, c.id"))?;
             let rows = stmt.query_map([], RawMeta::from_row)?;
             rows.collect::<Result<Vec<_>, _>>()?
         }
@@ -50,15 +45,7 @@ pub(super) fn events(
     after: u64,
     limit: usize,
 ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT seq, ts, kind, data FROM events \
-                 WHERE conversation_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
-    )?;
-    let rows = stmt.query_map(
-        params![id, clamp_i64(after), clamp_i64(limit as u64)],
-        |row| event_from_row(id, row),
-    )?;
-    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    events_after(conn, id, after, limit, |_| true)
 }
 
 /// Everything needed to reactivate a conversation, with its last `tail`
@@ -75,39 +62,23 @@ pub(super) fn snapshot(
     let Some(meta) = get_meta(&tx, id)? else {
         return Ok(None);
     };
-    let mut tail_events = {
-        let mut stmt = tx.prepare_cached(
-            "SELECT seq, ts, kind, data FROM events \
-                     WHERE conversation_id = ?1 ORDER BY seq DESC LIMIT ?2",
-        )?;
-        let rows = stmt.query_map(params![id, clamp_i64(tail as u64)], |row| {
-            event_from_row(id, row)
-        })?;
-        rows.collect::<Result<Vec<_>, _>>()?
-    };
-    tail_events.reverse();
-    let queued = {
-        let mut stmt = tx.prepare_cached(
-            "SELECT seq, data FROM events WHERE conversation_id = ?1 AND seq > ?2 \
-                     AND kind = 'user_message' ORDER BY seq",
-        )?;
-        let rows = stmt.query_map(params![id, clamp_i64(meta.last_turn_message_seq)], |row| {
-            Ok((row.get::<_, u64>(0)?, row.get::<_, String>(1)?))
-        })?;
-        let rows = rows.collect::<Result<Vec<_>, _>>()?;
-        rows.into_iter()
-            .map(|(seq, data)| {
-                Ok(QueuedMessage {
-                    seq,
-                    text: message_text(&data).ok_or_else(|| {
-                        StoreError::Backend(format!(
-                            "conversation {id}: user_message {seq} has no text"
-                        ))
-                    })?,
-                })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?
-    };
+    let tail_events = runs::tail(&tx, id, tail)?;
+    let queued = events_after(&tx, id, meta.last_turn_message_seq, usize::MAX, |ev| {
+        ev.kind() == "user_message"
+    })?
+    .into_iter()
+    .map(|ev| {
+        Ok(QueuedMessage {
+            seq: ev.seq,
+            text: message_text(ev.data()).ok_or_else(|| {
+                StoreError::Backend(format!(
+                    "conversation {id}: user_message {} has no text",
+                    ev.seq
+                ))
+            })?,
+        })
+    })
+    .collect::<Result<Vec<_>, StoreError>>()?;
     let client_msg_ids = {
         // The newest, from the (conversation_id, seq) index: a store that
         // holds more (written before the window existed) is read bounded.
@@ -132,8 +103,7 @@ pub(super) fn snapshot(
 /// Conversations not stored as `stopped`.
 pub(super) fn unfinished(conn: &Connection) -> Result<Vec<ConversationMeta>, StoreError> {
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {META_COLUMNS} FROM conversations WHERE status != 'stopped' \
-                 ORDER BY last_activity_at DESC, id"
+        "{META_SELECT} WHERE c.status != 'stopped' ORDER BY activity DESC, c.id"
     ))?;
     let rows = stmt.query_map([], RawMeta::from_row)?;
     let rows = rows.collect::<Result<Vec<_>, _>>()?;

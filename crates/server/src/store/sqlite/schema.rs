@@ -3,8 +3,10 @@
 
 use super::*;
 
+/// The tables of the format this release writes ([`migrate::VERSION`]), as
+/// a new store is created with.
 pub(super) const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS conversations (
+CREATE TABLE conversations (
     id                    TEXT PRIMARY KEY NOT NULL,
     user                  TEXT NOT NULL,
     title                 TEXT NOT NULL,
@@ -19,27 +21,46 @@ CREATE TABLE IF NOT EXISTS conversations (
 );
 -- On `user` alone: an index that held last_activity_at would be rewritten by
 -- nearly every commit, and one user's rows are few enough to sort.
-CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations (user);
-CREATE TABLE IF NOT EXISTS events (
-    conversation_id TEXT NOT NULL,
-    seq             INTEGER NOT NULL,
-    ts              TEXT NOT NULL,
-    kind            TEXT NOT NULL,
-    data            TEXT NOT NULL,
-    PRIMARY KEY (conversation_id, seq)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS events_by_ts ON events (ts);
-CREATE TABLE IF NOT EXISTS client_msgs (
+CREATE INDEX conversations_by_user ON conversations (user);
+CREATE TABLE client_msgs (
     conversation_id TEXT NOT NULL,
     client_msg_id   TEXT NOT NULL,
     seq             INTEGER NOT NULL,
     PRIMARY KEY (conversation_id, client_msg_id)
 ) WITHOUT ROWID;
+CREATE INDEX client_msgs_by_seq ON client_msgs (conversation_id, seq);
 ";
 
-pub(super) const META_COLUMNS: &str =
-    "id, user, title, status, created_at, last_activity_at, head_seq, \
-     close_delay_ms, observers, current_turn_id, last_turn_message_seq";
+/// The event runs (format 2, see `runs.rs`), created by a new store and by
+/// the migration to format 2 alike.
+pub(super) const EVENT_RUNS: &str = "
+-- A run: events of one conversation committed together, as a JSON array of
+-- [seq, ts, kind, data]. A rowid table (runs are large, and new ones go to
+-- its end); the one index finds the run holding a seq in O(log n). `min_ts`
+-- and `max_ts` let retention prune whole runs without a per-event index.
+CREATE TABLE event_runs (
+    conversation_id TEXT NOT NULL,
+    first_seq       INTEGER NOT NULL,
+    last_seq        INTEGER NOT NULL,
+    n               INTEGER NOT NULL,
+    min_ts          TEXT NOT NULL,
+    max_ts          TEXT NOT NULL,
+    events          TEXT NOT NULL
+);
+CREATE UNIQUE INDEX event_runs_by_seq ON event_runs (conversation_id, last_seq);
+";
+
+/// A conversations row as its readers see it. The row is written when a
+/// field only it records changes (status, turn, last started message), so
+/// its `head_seq` and `last_activity_at` may trail the runs appended since:
+/// those two come from the newest run when it is newer. The columns are in
+/// [`RawMeta::from_row`]'s order.
+pub(super) const META_SELECT: &str = "SELECT c.id, c.user, c.title, c.status, c.created_at, \
+     CASE WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END AS activity, \
+     max(c.head_seq, coalesce(r.last_seq, 0)), c.close_delay_ms, c.observers, \
+     c.current_turn_id, c.last_turn_message_seq \
+     FROM conversations c LEFT JOIN event_runs r ON r.conversation_id = c.id \
+     AND r.last_seq = (SELECT max(last_seq) FROM event_runs WHERE conversation_id = c.id)";
 
 /// A conversations row as stored, before the checks that turn it into a
 /// [`ConversationMeta`] (a row-mapping closure can only return SQLite errors).
@@ -101,17 +122,6 @@ impl RawMeta {
 pub(super) fn parse_observers(id: &str, json: &str) -> Result<Vec<String>, StoreError> {
     serde_json::from_str(json)
         .map_err(|e| StoreError::Backend(format!("conversation {id}: observers: {e}")))
-}
-
-pub(super) fn event_from_row(
-    id: &str,
-    row: &rusqlite::Row<'_>,
-) -> rusqlite::Result<Arc<EventRecord>> {
-    let seq: u64 = row.get(0)?;
-    let ts: String = row.get(1)?;
-    let kind = intern_kind(row.get_ref(2)?.as_str()?);
-    let data: String = row.get(3)?;
-    Ok(Arc::new(EventRecord::from_parts(id, seq, ts, kind, data)))
 }
 
 /// The `text` of a `user_message` event's data.

@@ -13,9 +13,9 @@ fn record(id: &str, seq: u64, ts: String, data: &EventData) -> Arc<EventRecord> 
     Arc::new(EventRecord::from_parts(
         id,
         seq,
-        ts,
+        &ts,
         Arc::from(data.kind()),
-        json,
+        &json,
     ))
 }
 
@@ -141,7 +141,7 @@ async fn callback_fires_after_commit() {
                 Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
             let n: i64 = conn
                 .query_row(
-                    "SELECT count(*) FROM events WHERE conversation_id = 'c_1'",
+                    "SELECT sum(n) FROM event_runs WHERE conversation_id = 'c_1'",
                     [],
                     |row| row.get(0),
                 )
@@ -365,10 +365,28 @@ async fn snapshot_has_tail_queue_and_client_msg_ids() {
 fn a_store_of_the_release_before_versions_is_migrated() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("linger.db");
-    // As that release left it: the tables, no index on client_msgs' seq,
-    // user_version 0.
+    // As that release left it: its tables, user_version 0. Conversation c_1
+    // has 600 events (more than two runs' worth), c_2 three.
     let old = Connection::open(&path).unwrap();
-    old.execute_batch(SCHEMA).unwrap();
+    old.execute_batch(migrate::V0_SCHEMA).unwrap();
+    for (id, n) in [("c_1", 600u64), ("c_2", 3)] {
+        old.execute(
+            "INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
+             head_seq) VALUES (?1, 'alice', '', 'idle', ?2, ?2, ?3)",
+            params![id, ts(n), n],
+        )
+        .unwrap();
+        for seq in 1..=n {
+            let text = format!("say \"{seq}\"\n\u{e9}");
+            let data = serde_json::json!({"turn_id": "t", "text": text}).to_string();
+            old.execute(
+                "INSERT INTO events (conversation_id, seq, ts, kind, data) \
+                 VALUES (?1, ?2, ?3, 'text_delta', ?4)",
+                params![id, seq, ts(seq), data],
+            )
+            .unwrap();
+        }
+    }
     old.execute(
         "INSERT INTO client_msgs (conversation_id, client_msg_id, seq) VALUES ('c_1', 'm1', 3)",
         [],
@@ -396,6 +414,44 @@ fn a_store_of_the_release_before_versions_is_migrated() {
         )
         .unwrap();
     assert_eq!(kept, 3, "the ids are kept");
+    let runs: Vec<(String, u64, u64, u64)> = conn
+        .prepare("SELECT conversation_id, first_seq, last_seq, n FROM event_runs ORDER BY rowid")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let c1 = |first, last| ("c_1".to_owned(), first, last, last - first + 1);
+    assert_eq!(
+        runs,
+        [
+            c1(1, 256),
+            c1(257, 512),
+            c1(513, 600),
+            ("c_2".to_owned(), 1, 3, 3)
+        ]
+    );
+    let tables: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_schema WHERE name LIKE 'events%'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert!(tables.is_empty(), "the per-event table is gone: {tables:?}");
+    // Every event reads back as it was written, whichever run holds it.
+    let read = queries::events(&conn, "c_1", 250, 10).unwrap();
+    assert_eq!(
+        read.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (251..=260).collect::<Vec<_>>()
+    );
+    let data: serde_json::Value = serde_json::from_str(read[6].data()).unwrap();
+    assert_eq!(data["text"], "say \"257\"\n\u{e9}");
+    assert_eq!(read[6].ts(), ts(257));
+    assert_eq!(
+        queries::get_meta(&conn, "c_1").unwrap().unwrap().head_seq,
+        600
+    );
     drop(conn);
     // Opened again: nothing to do.
     assert_eq!(
@@ -411,6 +467,131 @@ fn a_store_of_the_release_before_versions_is_migrated() {
     drop(newer);
     let refused = open_writer(&path).err().map(|e| e.to_string());
     assert!(refused.is_some_and(|e| e.contains("newer linger")));
+}
+
+#[test]
+fn a_store_of_format_1_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    let old = Connection::open(&path).unwrap();
+    old.execute_batch(migrate::V0_SCHEMA).unwrap();
+    old.execute_batch(
+        "CREATE INDEX client_msgs_by_seq ON client_msgs (conversation_id, seq); \
+         PRAGMA user_version = 1;",
+    )
+    .unwrap();
+    old.execute(
+        "INSERT INTO events (conversation_id, seq, ts, kind, data) \
+         VALUES ('c_1', 1, '2026-01-01T00:00:00.000Z', 'text_delta', '{\"text\":\"x\"}')",
+        [],
+    )
+    .unwrap();
+    drop(old);
+    let conn = open_writer(&path).unwrap();
+    assert_eq!(migrate::version(&conn), 2);
+    let read = queries::events(&conn, "c_1", 0, 10).unwrap();
+    assert_eq!(read.len(), 1);
+    assert_eq!(read[0].data(), r#"{"text":"x"}"#);
+}
+
+#[test]
+fn a_store_whose_events_are_not_json_is_not_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    let old = Connection::open(&path).unwrap();
+    old.execute_batch(migrate::V0_SCHEMA).unwrap();
+    old.execute(
+        "INSERT INTO events (conversation_id, seq, ts, kind, data) \
+         VALUES ('c_1', 1, '2026-01-01T00:00:00.000Z', 'text_delta', 'not json')",
+        [],
+    )
+    .unwrap();
+    drop(old);
+    let refused = open_writer(&path).err().map(|e| e.to_string());
+    assert!(
+        refused.as_deref().is_some_and(|e| e.contains("not JSON")),
+        "{refused:?}"
+    );
+    // Nothing was changed: the step is one transaction.
+    let conn = Connection::open(&path).unwrap();
+    assert_eq!(migrate::version(&conn), 1);
+    let n: i64 = conn
+        .query_row("SELECT count(*) FROM events", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+#[tokio::test]
+async fn runs_read_back_from_any_seq_and_the_row_is_written_on_change_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    // Ten appends of 30 events, each its own commit (so its own run); text
+    // with what JSON escapes.
+    let text = |seq: u64| format!("[\"{seq}\"]\\\t\u{1F600}");
+    let mut head = 1;
+    for _ in 0..10 {
+        let evs = (head + 1..=head + 30)
+            .map(|s| delta("c_1", s, &text(s)))
+            .collect();
+        head += 30;
+        append(&store, events_batch("c_1", evs, state(Status::Idle, head)))
+            .await
+            .unwrap();
+    }
+    let all = store.events("c_1", 0, 1000).await.unwrap();
+    assert_eq!(
+        all.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (1..=head).collect::<Vec<_>>()
+    );
+    // From inside a run, across runs.
+    let some = store.events("c_1", 45, 40).await.unwrap();
+    assert_eq!(
+        some.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (46..=85).collect::<Vec<_>>()
+    );
+    let data: serde_json::Value = serde_json::from_str(some[0].data()).unwrap();
+    assert_eq!(data["text"], text(46));
+    let snapshot = store.snapshot("c_1", 45, 10).await.unwrap().unwrap();
+    assert_eq!(
+        snapshot.tail.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (head - 44..=head).collect::<Vec<_>>()
+    );
+    assert_eq!(snapshot.tail[44].frame, all[300].frame);
+
+    // The status did not change: the row still says what the creation
+    // wrote, and the head and last activity come from the newest run.
+    let conn = Connection::open(store.path()).unwrap();
+    let row_head: u64 = conn
+        .query_row("SELECT head_seq FROM conversations", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(row_head, 1);
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!(meta.head_seq, head);
+    assert_eq!(meta.last_activity_at, all[300].ts());
+    // An append must follow the head the runs hold, not the row's.
+    let stale = events_batch("c_1", vec![delta("c_1", 2, "x")], state(Status::Idle, 2));
+    let refused = append(&store, stale).await.err().map(|e| e.to_string());
+    assert!(
+        refused
+            .as_deref()
+            .is_some_and(|e| e.contains("stored head_seq is 301")),
+        "{refused:?}"
+    );
+    // A status change writes the row.
+    let evs = vec![delta("c_1", head + 1, "x")];
+    append(
+        &store,
+        events_batch("c_1", evs, state(Status::Running, head + 1)),
+    )
+    .await
+    .unwrap();
+    let (row_head, status): (u64, String) = conn
+        .query_row("SELECT head_seq, status FROM conversations", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert_eq!((row_head, status.as_str()), (head + 1, "running"));
 }
 
 #[tokio::test]
@@ -489,23 +670,32 @@ async fn prune_deletes_old_events_only() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
     append(&store, create_batch("c_1", "alice")).await.unwrap();
-    // 5,000 old events (more than one prune chunk), then 3 new ones.
+    // 5,000 old events, in 300 commits (so more runs than one prune step
+    // looks at), then 3 new ones in the same run as the last old ones.
     let day = 86_400;
     let old = 1_000 * day;
     let n_old = 5_000u64;
-    let mut evs: Vec<_> = (2..n_old + 2)
-        .map(|seq| {
-            record(
-                "c_1",
-                seq,
-                ts(old + seq),
-                &EventData::TextDelta {
-                    turn_id: "t".into(),
-                    text: "x".into(),
-                },
-            )
-        })
-        .collect();
+    let old_event = |seq: u64| {
+        record(
+            "c_1",
+            seq,
+            ts(old + seq),
+            &EventData::TextDelta {
+                turn_id: "t".into(),
+                text: "x".into(),
+            },
+        )
+    };
+    let mut seqs = (2..n_old + 2).collect::<Vec<_>>();
+    let last_chunk = seqs.split_off(seqs.len() - 10);
+    for chunk in seqs.chunks(seqs.len().div_ceil(300)) {
+        let evs = chunk.iter().map(|&seq| old_event(seq)).collect();
+        let head = *chunk.last().unwrap();
+        append(&store, events_batch("c_1", evs, state(Status::Idle, head)))
+            .await
+            .unwrap();
+    }
+    let mut evs: Vec<_> = last_chunk.into_iter().map(old_event).collect();
     for seq in n_old + 2..n_old + 5 {
         evs.push(delta("c_1", seq, "new"));
     }
@@ -515,6 +705,15 @@ async fn prune_deletes_old_events_only() {
     )
     .await
     .unwrap();
+    let runs = || {
+        Connection::open(store.path())
+            .unwrap()
+            .query_row("SELECT count(*) FROM event_runs", [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .unwrap()
+    };
+    assert!(runs() > PRUNE_CHUNK, "{}", runs());
     let before = UNIX_EPOCH + Duration::from_secs(old + 10 * day);
     assert_eq!(store.prune(before).await.unwrap(), n_old);
     let left = store.events("c_1", 0, 100).await.unwrap();
@@ -526,9 +725,21 @@ async fn prune_deletes_old_events_only() {
     assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, n_old + 4);
     assert_eq!(store.prune(before).await.unwrap(), 0);
     assert_eq!(store.prune(UNIX_EPOCH).await.unwrap(), 0);
-    // Everything is older than the far future.
+    // seq 1 and the run the new ones share.
+    assert_eq!(runs(), 2);
+    // Everything is older than the far future: the head stays, although
+    // only the runs held it (the status never changed, so the row was
+    // last written with the creation).
     let far = UNIX_EPOCH + Duration::from_secs(400_000 * 365 * day);
     assert_eq!(store.prune(far).await.unwrap(), 4);
+    assert_eq!(runs(), 0);
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, n_old + 4);
+    let next = events_batch(
+        "c_1",
+        vec![delta("c_1", n_old + 5, "x")],
+        state(Status::Idle, n_old + 5),
+    );
+    append(&store, next).await.unwrap();
 }
 
 #[tokio::test]

@@ -71,6 +71,8 @@ impl Command {
 /// comes back short.
 pub(super) struct PruneJob {
     pub(super) cutoff: String,
+    /// The last run looked at (its rowid): where the next chunk starts.
+    pub(super) cursor: i64,
     pub(super) deleted: u64,
     pub(super) reply: oneshot::Sender<Result<u64, StoreError>>,
 }
@@ -146,6 +148,7 @@ impl Writer {
             // transaction, alongside whatever else is queued.
             Command::Prune { cutoff, reply } => self.prunes.push_back(PruneJob {
                 cutoff,
+                cursor: 0,
                 deleted: 0,
                 reply,
             }),
@@ -158,14 +161,14 @@ impl Writer {
     /// rolled back and replayed with a savepoint per command, so that one bad
     /// append fails alone.
     pub(super) fn run_group(&mut self, group: &mut Vec<Command>) {
-        let prune_cutoff = self.prunes.front().map(|j| j.cutoff.clone());
+        let prune_cutoff = self.prunes.front().map(|j| (j.cutoff.clone(), j.cursor));
         let mut results: Vec<Result<Done, StoreError>> = Vec::with_capacity(group.len());
-        let mut pruned: Option<Result<i64, StoreError>> = None;
+        let mut pruned: Option<Result<PruneStep, StoreError>> = None;
         let started = std::time::Instant::now();
 
         let outcome = self.transaction(
             group,
-            prune_cutoff.as_deref(),
+            prune_cutoff.as_ref(),
             false,
             &mut results,
             &mut pruned,
@@ -177,7 +180,7 @@ impl Writer {
                 pruned = None;
                 self.transaction(
                     group,
-                    prune_cutoff.as_deref(),
+                    prune_cutoff.as_ref(),
                     true,
                     &mut results,
                     &mut pruned,
@@ -224,10 +227,10 @@ impl Writer {
     pub(super) fn transaction(
         &mut self,
         group: &[Command],
-        prune_cutoff: Option<&str>,
+        prune_cutoff: Option<&(String, i64)>,
         savepoints: bool,
         results: &mut Vec<Result<Done, StoreError>>,
-        pruned: &mut Option<Result<i64, StoreError>>,
+        pruned: &mut Option<Result<PruneStep, StoreError>>,
     ) -> Result<bool, StoreError> {
         let conn = &self.conn;
         let mut touched = Touched::default();
@@ -246,11 +249,17 @@ impl Writer {
             }
             results.push(result);
         }
-        if let Some(cutoff) = prune_cutoff {
+        // The group's runs and rows first, so that a prune sees them.
+        if let Err(e) = touched.write(conn) {
+            rollback(conn);
+            return if savepoints { Err(e) } else { Ok(false) };
+        }
+        if let Some((cutoff, cursor)) = prune_cutoff {
             let result = if savepoints {
-                isolated(conn, |conn| prune_chunk(conn, cutoff)).inspect_err(|_| rollback(conn))?
+                isolated(conn, |conn| prune_chunk(conn, cutoff, *cursor))
+                    .inspect_err(|_| rollback(conn))?
             } else {
-                prune_chunk(conn, cutoff)
+                prune_chunk(conn, cutoff, *cursor)
             };
             if result.is_err() && !savepoints {
                 rollback(conn);
@@ -258,9 +267,10 @@ impl Writer {
             }
             *pruned = Some(result);
         }
-        let committed = touched
-            .write(conn)
-            .and_then(|()| Ok(conn.prepare_cached("COMMIT")?.execute([])?));
+        let committed = conn
+            .prepare_cached("COMMIT")
+            .and_then(|mut commit| commit.execute([]))
+            .map_err(StoreError::from);
         if let Err(e) = committed {
             rollback(conn);
             return if savepoints { Err(e) } else { Ok(false) };
@@ -282,14 +292,15 @@ impl Writer {
         }
     }
 
-    pub(super) fn prune_progress(&mut self, result: Result<i64, StoreError>) {
+    pub(super) fn prune_progress(&mut self, result: Result<PruneStep, StoreError>) {
         let Some(job) = self.prunes.front_mut() else {
             return;
         };
         match result {
-            Ok(n) => {
-                job.deleted += n.max(0) as u64;
-                if n < PRUNE_CHUNK {
+            Ok(step) => {
+                job.deleted += step.deleted;
+                job.cursor = step.cursor;
+                if step.scanned < PRUNE_CHUNK {
                     if let Some(job) = self.prunes.pop_front() {
                         let _ = job.reply.send(Ok(job.deleted));
                     }
@@ -335,10 +346,12 @@ pub(super) fn isolated<T>(
     Ok(result)
 }
 
-/// The conversations a group has appended to, so that each one's row is
-/// written once per transaction (with the state of its last append) rather
-/// than once per append: under a burst, most of a group's appends are to the
-/// same few conversations.
+/// The conversations a group has appended to, with what the group writes
+/// for each at its end: one run of the events of all its appends (not a row
+/// per event, nor per append: under a burst most of a group's appends are
+/// to the same few conversations), and the conversations row only when a
+/// field only the row records changed (the head and the last activity the
+/// runs carry, see [`META_SELECT`]).
 #[derive(Default)]
 pub(super) struct Touched<'a> {
     pub(super) rows: HashMap<&'a str, TouchedRow<'a>>,
@@ -347,26 +360,73 @@ pub(super) struct Touched<'a> {
 pub(super) struct TouchedRow<'a> {
     /// The head as of this point of the transaction.
     pub(super) head: u64,
-    /// State still to be written to the row, if any.
+    /// The row's fields as stored before this group.
+    pub(super) stored: RowFields,
+    /// The state of the last append, written to the row if needed.
     pub(super) pending: Option<&'a ConversationState>,
+    /// An append without events: only the row can record its state.
+    pub(super) row_needed: bool,
+    /// This group's events, in seq order, for the runs.
+    pub(super) events: Vec<&'a EventRecord>,
+}
+
+/// The conversations row's fields that only the row records.
+#[derive(PartialEq)]
+pub(super) struct RowFields {
+    pub(super) status: String,
+    pub(super) current_turn_id: Option<String>,
+    pub(super) last_turn_message_seq: u64,
+}
+
+impl RowFields {
+    fn of(state: &ConversationState) -> RowFields {
+        RowFields {
+            status: state.status.as_str().to_owned(),
+            current_turn_id: state.current_turn_id.clone(),
+            last_turn_message_seq: state.last_turn_message_seq,
+        }
+    }
+
+    fn matches(&self, state: &ConversationState) -> bool {
+        self.status == state.status.as_str()
+            && self.current_turn_id == state.current_turn_id
+            && self.last_turn_message_seq == state.last_turn_message_seq
+    }
 }
 
 impl<'a> Touched<'a> {
-    /// The head stored for `id` as of this point of the transaction.
+    /// The head stored for `id` as of this point of the transaction, reading
+    /// the row (and its newest run) on the first touch.
     pub(super) fn head(&mut self, conn: &Connection, id: &'a str) -> Result<u64, StoreError> {
         if let Some(row) = self.rows.get(id) {
             return Ok(row.head);
         }
-        let stored: Option<u64> = conn
-            .prepare_cached("SELECT head_seq FROM conversations WHERE id = ?1")?
-            .query_row([id], |row| row.get(0))
+        let stored = conn
+            .prepare_cached(
+                "SELECT max(head_seq, coalesce((SELECT max(last_seq) FROM event_runs \
+                 WHERE conversation_id = ?1), 0)), status, current_turn_id, \
+                 last_turn_message_seq FROM conversations WHERE id = ?1",
+            )?
+            .query_row([id], |row| {
+                Ok((
+                    row.get::<_, u64>(0)?,
+                    RowFields {
+                        status: row.get(1)?,
+                        current_turn_id: row.get(2)?,
+                        last_turn_message_seq: row.get(3)?,
+                    },
+                ))
+            })
             .optional()?;
-        let head = stored.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        let (head, stored) = stored.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
         self.rows.insert(
             id,
             TouchedRow {
                 head,
+                stored,
                 pending: None,
+                row_needed: false,
+                events: Vec::new(),
             },
         );
         Ok(head)
@@ -374,19 +434,24 @@ impl<'a> Touched<'a> {
 
     pub(super) fn write(&self, conn: &Connection) -> Result<(), StoreError> {
         for (id, row) in &self.rows {
+            for chunk in row.events.chunks(RUN_MAX_EVENTS) {
+                insert_run(conn, id, chunk.iter().map(|ev| RunEvent::from(*ev)))?;
+            }
             let Some(state) = row.pending else { continue };
-            conn.prepare_cached(
-                "UPDATE conversations SET status = ?2, head_seq = ?3, last_activity_at = ?4, \
-                 current_turn_id = ?5, last_turn_message_seq = ?6 WHERE id = ?1",
-            )?
-            .execute(params![
-                id,
-                state.status.as_str(),
-                clamp_i64(state.head_seq),
-                state.last_activity_at,
-                state.current_turn_id,
-                clamp_i64(state.last_turn_message_seq),
-            ])?;
+            if row.row_needed || !row.stored.matches(state) {
+                conn.prepare_cached(
+                    "UPDATE conversations SET status = ?2, head_seq = ?3, last_activity_at = ?4, \
+                     current_turn_id = ?5, last_turn_message_seq = ?6 WHERE id = ?1",
+                )?
+                .execute(params![
+                    id,
+                    state.status.as_str(),
+                    clamp_i64(state.head_seq),
+                    state.last_activity_at,
+                    state.current_turn_id,
+                    clamp_i64(state.last_turn_message_seq),
+                ])?;
+            }
         }
         Ok(())
     }
@@ -464,20 +529,6 @@ pub(super) fn append<'a>(
             }
         }
     }
-    if !batch.events.is_empty() {
-        let mut stmt = conn.prepare_cached(
-            "INSERT INTO events (conversation_id, seq, ts, kind, data) VALUES (?1, ?2, ?3, ?4, ?5)",
-        )?;
-        for ev in &batch.events {
-            stmt.execute(params![
-                id,
-                clamp_i64(ev.seq),
-                ev.ts(),
-                &*ev.kind,
-                ev.data()
-            ])?;
-        }
-    }
     if batch.forget_client_msg_ids_before > 0 {
         // Those before the window, found by the (conversation_id, seq)
         // index; this also drops what a store written before the window
@@ -498,18 +549,20 @@ pub(super) fn append<'a>(
             stmt.execute(params![id, client_msg_id, clamp_i64(*seq)])?;
         }
     }
-    let pending = if batch.create.is_some() {
-        None // written by the insert
-    } else {
-        Some(state)
-    };
-    touched.rows.insert(
-        id,
-        TouchedRow {
-            head: state.head_seq,
-            pending,
-        },
-    );
+    let row = touched.rows.entry(id).or_insert_with(|| TouchedRow {
+        // Created by this batch: the insert wrote its row.
+        head: 0,
+        stored: RowFields::of(state),
+        pending: None,
+        row_needed: false,
+        events: Vec::new(),
+    });
+    row.head = state.head_seq;
+    if batch.create.is_none() {
+        row.pending = Some(state);
+        row.row_needed |= batch.events.is_empty();
+    }
+    row.events.extend(batch.events.iter().map(|ev| &**ev));
     Ok(())
 }
 
@@ -542,7 +595,7 @@ pub(super) fn check_contiguous(batch: &AppendBatch) -> Result<u64, StoreError> {
 }
 
 pub(super) fn delete(conn: &Connection, id: &str) -> Result<bool, StoreError> {
-    conn.prepare_cached("DELETE FROM events WHERE conversation_id = ?1")?
+    conn.prepare_cached("DELETE FROM event_runs WHERE conversation_id = ?1")?
         .execute([id])?;
     conn.prepare_cached("DELETE FROM client_msgs WHERE conversation_id = ?1")?
         .execute([id])?;
@@ -572,12 +625,99 @@ pub(super) fn add_observer(conn: &Connection, id: &str, user: &str) -> Result<()
     Ok(())
 }
 
-pub(super) fn prune_chunk(conn: &Connection, cutoff: &str) -> Result<i64, StoreError> {
-    let n = conn
+/// What one prune step did.
+pub(super) struct PruneStep {
+    /// Events deleted.
+    pub(super) deleted: u64,
+    /// Runs looked at: fewer than [`PRUNE_CHUNK`] means the end was reached.
+    pub(super) scanned: i64,
+    /// The last run looked at (rowid), where the next step starts.
+    pub(super) cursor: i64,
+}
+
+/// Looks at the next [`PRUNE_CHUNK`] runs after `cursor` (in rowid order,
+/// roughly the order they were written in: no index on time is kept) and
+/// deletes their events older than `cutoff`: a whole run when all its events
+/// are, else the run is rewritten without them.
+pub(super) fn prune_chunk(
+    conn: &Connection,
+    cutoff: &str,
+    cursor: i64,
+) -> Result<PruneStep, StoreError> {
+    struct Seen {
+        rowid: i64,
+        id: String,
+        last_seq: u64,
+        n: u64,
+        min_ts: String,
+        max_ts: String,
+    }
+    let seen = conn
         .prepare_cached(
-            "DELETE FROM events WHERE (conversation_id, seq) IN \
-             (SELECT conversation_id, seq FROM events WHERE ts < ?1 LIMIT ?2)",
+            "SELECT rowid, conversation_id, last_seq, n, min_ts, max_ts FROM event_runs \
+             WHERE rowid > ?1 ORDER BY rowid LIMIT ?2",
         )?
-        .execute(params![cutoff, PRUNE_CHUNK])?;
-    Ok(n as i64)
+        .query_map(params![cursor, PRUNE_CHUNK], |row| {
+            Ok(Seen {
+                rowid: row.get(0)?,
+                id: row.get(1)?,
+                last_seq: row.get(2)?,
+                n: row.get(3)?,
+                min_ts: row.get(4)?,
+                max_ts: row.get(5)?,
+            })
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut step = PruneStep {
+        deleted: 0,
+        scanned: seen.len() as i64,
+        cursor: seen.last().map_or(cursor, |run| run.rowid),
+    };
+    for run in seen.iter().filter(|run| run.min_ts.as_str() < cutoff) {
+        if run.max_ts.as_str() < cutoff {
+            // The row's head may be older than this run's (see
+            // `META_SELECT`): it keeps the head, and its time, once the run
+            // that held them is gone, so that a seq is never used twice.
+            conn.prepare_cached(
+                "UPDATE conversations SET head_seq = ?2, last_activity_at = ?3 \
+                 WHERE id = ?1 AND head_seq < ?2",
+            )?
+            .execute(params![run.id, clamp_i64(run.last_seq), run.max_ts])?;
+            conn.prepare_cached("DELETE FROM event_runs WHERE rowid = ?1")?
+                .execute([run.rowid])?;
+            step.deleted += run.n;
+            continue;
+        }
+        let json: String = conn
+            .prepare_cached("SELECT events FROM event_runs WHERE rowid = ?1")?
+            .query_row([run.rowid], |row| row.get(0))?;
+        let events = decode(&run.id, &json)?;
+        let kept: Vec<RunEvent<'_>> = events
+            .iter()
+            .filter(|ev| ev.ts() >= cutoff)
+            .map(|ev| RunEvent {
+                seq: ev.seq(),
+                ts: ev.ts(),
+                kind: ev.kind(),
+                data: ev.data(),
+            })
+            .collect();
+        step.deleted += (events.len() - kept.len()) as u64;
+        // Not empty (its max_ts is not older than the cutoff). Its last seq
+        // stays, as the newest event is kept, so its index entry holds.
+        if let Some(left) = encode(kept) {
+            conn.prepare_cached(
+                "UPDATE event_runs SET first_seq = ?2, n = ?3, min_ts = ?4, events = ?5 \
+                 WHERE rowid = ?1",
+            )?
+            .execute(params![
+                run.rowid,
+                clamp_i64(left.first_seq),
+                left.n as i64,
+                left.min_ts,
+                left.json,
+            ])?;
+        }
+    }
+    Ok(step)
 }
