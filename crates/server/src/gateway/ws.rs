@@ -32,9 +32,10 @@ const INFLIGHT_FRAMES: usize = 64;
 const CLOSE_PATIENCE: Duration = Duration::from_secs(2);
 /// The websocket library's read buffer per connection (its default,
 /// 128 KiB, is zero-filled on the first read: 128 KiB of RSS for every
-/// connection, idle or not). Client frames are small; a larger one is read
-/// in several steps.
-const READ_BUFFER_BYTES: usize = 4 * 1024;
+/// connection, idle or not). Client frames are small (a message, an ack,
+/// a ping: tens to hundreds of bytes); a larger one is read in several
+/// steps, and the buffer then keeps the capacity it grew to.
+const READ_BUFFER_BYTES: usize = 1024;
 /// Most frames written with one flush (one system call) when several are
 /// queued: a replay or a burst goes out in a few writes, not one per event.
 const WRITE_BATCH: usize = 64;
@@ -88,7 +89,9 @@ pub async fn upgrade(
             sockets.track_future(async move {
                 match slot {
                     Some(slot) => serve(socket, app, caller, slot).await,
-                    None => refuse_too_many(socket, &app).await,
+                    // Boxed: the task of every connection would otherwise
+                    // be as large as this rare path's future too.
+                    None => Box::pin(refuse_too_many(socket, &app)).await,
                 }
             })
         })
@@ -131,7 +134,10 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
         config: app.config.clone(),
         inflight: inflight.clone(),
     };
-    let (actor, actor_done) = match Actor::spawn(None, Connection, args).await {
+    // Boxed: its future is large and lives only while the actor starts,
+    // but unboxed it would take room in every connection's task for the
+    // connection's whole life.
+    let (actor, actor_done) = match Box::pin(Actor::spawn(None, Connection, args)).await {
         Ok(spawned) => spawned,
         Err(e) => {
             warn!(error = %e, "connection actor failed to start");
