@@ -83,6 +83,12 @@ pub fn store_commit(duration: Duration, commands: usize) {
     histogram!("linger_store_commit_group_size").record(commands as f64);
 }
 
+/// The writer copied the WAL's last frames itself so that the WAL starts
+/// over (appends wait meanwhile).
+pub fn store_wal_restart(duration: Duration) {
+    histogram!("linger_store_wal_restart_seconds").record(duration.as_secs_f64());
+}
+
 /// 1 while the store can write, 0 while writes fail.
 pub fn store_available(available: bool) {
     gauge!("linger_store_available").set(if available { 1.0 } else { 0.0 });

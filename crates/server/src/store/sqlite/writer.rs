@@ -287,9 +287,11 @@ impl Writer {
     pub(super) fn restart_wal(&mut self) {
         self.restart_wanted.store(false, Ordering::Relaxed);
         self.busy_groups = 0;
+        let started = std::time::Instant::now();
         if let Err(e) = checkpoint(&self.conn) {
             tracing::warn!(error = %e, "store: checkpoint failed");
         }
+        crate::metrics::store_wal_restart(started.elapsed());
     }
 
     pub(super) fn prune_progress(&mut self, result: Result<PruneStep, StoreError>) {
