@@ -174,6 +174,8 @@ impl Target {
                         .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
                     env.push((env_key(key), value.to_owned()));
                 }
+                let filter = log_filter(std::env::var("LINGER_LOG").ok(), &env);
+                env.push(("LINGER_LOG".to_owned(), filter));
                 linger_command(&exe, &dir, &env)?
             }
             Server::Relay => {
@@ -275,6 +277,19 @@ impl Target {
     }
 }
 
+/// The spawned server's log filter: the level asked for (inherited
+/// `LINGER_LOG`, else `--set log.level=…`, else `info`), with the line that
+/// says where it listens kept whatever that level, as the bench reads it.
+fn log_filter(inherited: Option<String>, env: &[(String, String)]) -> String {
+    let asked = inherited.or_else(|| {
+        env.iter()
+            .rev()
+            .find(|(key, _)| key == "LINGER__LOG__LEVEL")
+            .map(|(_, level)| level.clone())
+    });
+    format!("{},linger::server=info", asked.as_deref().unwrap_or("info"))
+}
+
 /// `linger serve` with an empty config file in `dir` and `env`.
 fn linger_command(exe: &Path, dir: &Path, env: &[(String, String)]) -> anyhow::Result<Command> {
     let config = dir.join("bench.toml");
@@ -372,6 +387,18 @@ mod tests {
         assert_eq!(
             env_key("conversations.replay_buffer_events"),
             "LINGER__CONVERSATIONS__REPLAY_BUFFER_EVENTS"
+        );
+    }
+
+    #[test]
+    fn the_listening_line_is_logged_whatever_the_level_asked() {
+        let level = |v: &str| vec![("LINGER__LOG__LEVEL".to_owned(), v.to_owned())];
+        assert_eq!(log_filter(None, &[]), "info,linger::server=info");
+        assert_eq!(log_filter(None, &level("warn")), "warn,linger::server=info");
+        // The environment's LINGER_LOG wins, as it does for the server.
+        assert_eq!(
+            log_filter(Some("error".into()), &level("warn")),
+            "error,linger::server=info"
         );
     }
 }
