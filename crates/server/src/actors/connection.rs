@@ -234,11 +234,15 @@ impl State {
         }
         match frame {
             ClientFrame::Ping { req } => self.reply(&ServerFrame::Pong { req }),
+            // Create and attach are boxed: ractor keeps each actor's
+            // handler future in one allocation for the actor's life, sized
+            // by its largest await, and these two (supervisor calls) are
+            // far larger than every other path of a connection, and rarer.
             ClientFrame::Create {
                 req,
                 title,
                 close_delay,
-            } => self.create(req, title, close_delay).await,
+            } => Box::pin(self.create(req, title, close_delay)).await,
             ClientFrame::Attach {
                 req,
                 conversation_id,
@@ -246,13 +250,13 @@ impl State {
                 mode,
                 compact,
             } => {
-                self.attach(
+                Box::pin(self.attach(
                     req,
                     conversation_id,
                     last_seq.unwrap_or(0),
                     mode.unwrap_or_default(),
                     compact.unwrap_or(false),
-                )
+                ))
                 .await
             }
             ClientFrame::Detach {
