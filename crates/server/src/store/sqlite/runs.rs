@@ -84,9 +84,15 @@ pub(super) fn encode<'e>(events: impl IntoIterator<Item = RunEvent<'e>>) -> Opti
     Some(run)
 }
 
+/// Writes `s` as a JSON string. A ts and a kind never need escaping, so
+/// the common case is copied without the allocation a serializer makes.
 fn push_json_str(out: &mut String, s: &str) {
-    // A str serializes into a String without failing.
-    if let Ok(quoted) = serde_json::to_string(s) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else if let Ok(quoted) = serde_json::to_string(s) {
+        // A str serializes into a String without failing.
         out.push_str(&quoted);
     }
 }

@@ -902,3 +902,40 @@ async fn last_handle_dropped_by_a_callback() {
     drop(store);
     rx.await.unwrap().unwrap();
 }
+
+#[test]
+fn a_run_reads_back_exactly_what_was_written() {
+    // A kind a store of another release might hold, with what JSON escapes.
+    let events = [
+        (
+            1,
+            "2026-01-01T00:00:00.000Z",
+            "text_delta",
+            r#"{"text":"a\"b"}"#,
+        ),
+        (
+            2,
+            "2026-01-01T00:00:01.000Z",
+            "od\"d\\kind\n",
+            r#"{"x":[1,{}]}"#,
+        ),
+    ];
+    let run = encode(events.iter().map(|&(seq, ts, kind, data)| RunEvent {
+        seq,
+        ts,
+        kind,
+        data,
+    }))
+    .unwrap();
+    assert_eq!((run.first_seq, run.last_seq, run.n), (1, 2, 2));
+    assert_eq!(
+        (run.min_ts.as_str(), run.max_ts.as_str()),
+        (events[0].1, events[1].1)
+    );
+    let back = decode("c_1", &run.json).unwrap();
+    let read: Vec<_> = back
+        .iter()
+        .map(|ev| (ev.seq(), ev.ts(), ev.kind(), ev.data()))
+        .collect();
+    assert_eq!(read, events);
+}
