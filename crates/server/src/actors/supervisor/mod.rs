@@ -29,6 +29,7 @@
 //! - [`metrics`]: the gauges it publishes and the operators' list.
 
 mod activation;
+mod active;
 mod calls;
 mod cluster;
 mod creation;
@@ -181,7 +182,7 @@ pub struct State {
     decisions: Arc<SupervisionLog>,
     store: Arc<dyn Store>,
     agent: Arc<dyn Agent>,
-    active: HashMap<Arc<str>, Entry>,
+    active: active::ActiveConversations,
     by_actor: HashMap<ActorId, Arc<str>>,
     /// Activations waiting for a snapshot read.
     loading: HashMap<Arc<str>, Vec<Waiter>>,
@@ -221,7 +222,7 @@ impl Actor for Supervisor {
             decisions: args.decisions,
             store: args.store,
             agent: args.agent,
-            active: HashMap::new(),
+            active: Default::default(),
             by_actor: HashMap::new(),
             loading: HashMap::new(),
             after_stop: HashMap::new(),

@@ -23,8 +23,8 @@ impl State {
     /// `user`'s conversations active on this node and not stopping.
     pub(super) fn active_count(&self, user: &str) -> usize {
         self.active
-            .values()
-            .filter(|e| &*e.user == user && e.stopping.is_none())
+            .of_user(user)
+            .filter(|(_, e)| e.stopping.is_none())
             .count()
     }
 
@@ -51,8 +51,8 @@ impl State {
         let active_for_user = self.active_count(user) + others.len();
         let mut candidates: Vec<Candidate> = self
             .active
-            .iter()
-            .filter(|(id, e)| e.user == *user && e.stopping.is_none() && Some(*id) != activating)
+            .of_user(user)
+            .filter(|(id, e)| e.stopping.is_none() && Some(*id) != activating)
             .map(|(id, e)| Candidate::local(id.clone(), &e.gauge))
             .collect();
         candidates.extend(others);

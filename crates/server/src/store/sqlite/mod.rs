@@ -28,7 +28,8 @@
 //! version and the steps from earlier ones), `connections.rs` (opening
 //! connections, the read pool), `runs.rs` (events in runs: encoding,
 //! reading), `queries.rs` (reads), `writer.rs` (the writer thread and the
-//! writes), `checkpoint.rs`, `threads.rs`.
+//! writes), `known.rs` (what the writer remembers of what it committed),
+//! `checkpoint.rs`, `threads.rs`.
 //!
 //! The store checks what it is given: an append whose events do not follow
 //! the stored `head_seq` one by one, that creates an existing conversation or
@@ -45,6 +46,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod checkpoint;
 mod connections;
+mod known;
 mod migrate;
 mod queries;
 mod runs;
@@ -66,6 +68,7 @@ use crate::event::{intern_kind, EventRecord};
 use crate::protocol::Status;
 use checkpoint::*;
 use connections::*;
+use known::*;
 use runs::*;
 use schema::*;
 use threads::*;
@@ -158,6 +161,7 @@ impl SqliteStore {
             prunes: VecDeque::new(),
             restart_wanted,
             busy_groups: 0,
+            known: KnownRows::default(),
         };
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {

@@ -1,6 +1,8 @@
 //! The writer thread: the only write connection, commands applied in queue
 //! order, group commit, and the callbacks after each commit.
 
+use std::borrow::Cow;
+
 use super::*;
 
 pub(super) enum Command {
@@ -88,6 +90,8 @@ pub(super) struct Writer {
     pub(super) busy_groups: u32,
     /// Whether writes work, from every transaction's outcome.
     pub(super) health: Arc<StoreHealth>,
+    /// The heads and row fields of the conversations written lately.
+    pub(super) known: KnownRows,
 }
 
 impl Writer {
@@ -233,7 +237,7 @@ impl Writer {
         pruned: &mut Option<Result<PruneStep, StoreError>>,
     ) -> Result<bool, StoreError> {
         let conn = &self.conn;
-        let mut touched = Touched::default();
+        let mut touched = Touched::new(&self.known);
         // `?` below: the transaction is lost, every command of the group fails.
         conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
         for cmd in group {
@@ -275,6 +279,9 @@ impl Writer {
             rollback(conn);
             return if savepoints { Err(e) } else { Ok(false) };
         }
+        let settled: Vec<Settled> = touched.settled().collect();
+        let deleted = std::mem::take(&mut touched.deleted);
+        self.known.settle(deleted, settled);
         Ok(true)
     }
 
@@ -354,73 +361,57 @@ pub(super) fn isolated<T>(
 /// to the same few conversations), and the conversations row only when a
 /// field only the row records changed (the head and the last activity the
 /// runs carry, see [`META_SELECT`]).
-#[derive(Default)]
-pub(super) struct Touched<'a> {
-    pub(super) rows: HashMap<&'a str, TouchedRow<'a>>,
+pub(super) struct Touched<'g, 'k> {
+    pub(super) rows: HashMap<&'g str, TouchedRow<'g, 'k>>,
+    /// Conversations the group deleted.
+    pub(super) deleted: Vec<&'g str>,
+    known: &'k KnownRows,
 }
 
-pub(super) struct TouchedRow<'a> {
+pub(super) struct TouchedRow<'g, 'k> {
     /// The head as of this point of the transaction.
     pub(super) head: u64,
     /// The row's fields as stored before this group.
-    pub(super) stored: RowFields,
+    pub(super) stored: Cow<'k, RowFields>,
     /// The state of the last append, written to the row if needed.
-    pub(super) pending: Option<&'a ConversationState>,
+    pub(super) pending: Option<&'g ConversationState>,
     /// An append without events: only the row can record its state.
     pub(super) row_needed: bool,
     /// This group's events, in seq order, for the runs.
-    pub(super) events: Vec<&'a EventRecord>,
+    pub(super) events: Vec<&'g EventRecord>,
 }
 
-/// The conversations row's fields that only the row records.
-#[derive(PartialEq)]
-pub(super) struct RowFields {
-    pub(super) status: String,
-    pub(super) current_turn_id: Option<String>,
-    pub(super) last_turn_message_seq: u64,
+impl<'g> TouchedRow<'g, '_> {
+    /// The state the row must be updated to, if it must.
+    fn row_update(&self) -> Option<&'g ConversationState> {
+        self.pending
+            .filter(|state| self.row_needed || !self.stored.matches(state))
+    }
 }
 
-impl RowFields {
-    fn of(state: &ConversationState) -> RowFields {
-        RowFields {
-            status: state.status.as_str().to_owned(),
-            current_turn_id: state.current_turn_id.clone(),
-            last_turn_message_seq: state.last_turn_message_seq,
+impl<'g, 'k> Touched<'g, 'k> {
+    pub(super) fn new(known: &'k KnownRows) -> Self {
+        Touched {
+            rows: HashMap::new(),
+            deleted: Vec::new(),
+            known,
         }
     }
 
-    fn matches(&self, state: &ConversationState) -> bool {
-        self.status == state.status.as_str()
-            && self.current_turn_id == state.current_turn_id
-            && self.last_turn_message_seq == state.last_turn_message_seq
-    }
-}
-
-impl<'a> Touched<'a> {
-    /// The head stored for `id` as of this point of the transaction, reading
-    /// the row (and its newest run) on the first touch.
-    pub(super) fn head(&mut self, conn: &Connection, id: &'a str) -> Result<u64, StoreError> {
+    /// The head stored for `id` as of this point of the transaction: what
+    /// the writer remembers, or else read from the row (and its newest
+    /// run) on the first touch.
+    pub(super) fn head(&mut self, conn: &Connection, id: &'g str) -> Result<u64, StoreError> {
         if let Some(row) = self.rows.get(id) {
             return Ok(row.head);
         }
-        let stored = conn
-            .prepare_cached(
-                "SELECT max(head_seq, coalesce((SELECT max(last_seq) FROM event_runs \
-                 WHERE conversation_id = ?1), 0)), status, current_turn_id, \
-                 last_turn_message_seq FROM conversations WHERE id = ?1",
-            )?
-            .query_row([id], |row| {
-                Ok((
-                    row.get::<_, u64>(0)?,
-                    RowFields {
-                        status: row.get(1)?,
-                        current_turn_id: row.get(2)?,
-                        last_turn_message_seq: row.get(3)?,
-                    },
-                ))
-            })
-            .optional()?;
-        let (head, stored) = stored.ok_or_else(|| StoreError::NotFound(id.to_owned()))?;
+        let (head, stored) = match self.known.get(id) {
+            Some(known) => (known.head, Cow::Borrowed(&known.fields)),
+            None => {
+                let (head, stored) = read_row(conn, id)?;
+                (head, Cow::Owned(stored))
+            }
+        };
         self.rows.insert(
             id,
             TouchedRow {
@@ -434,13 +425,26 @@ impl<'a> Touched<'a> {
         Ok(head)
     }
 
+    /// How each conversation stands once the group is committed, for the
+    /// writer's memory.
+    pub(super) fn settled(&self) -> impl Iterator<Item = Settled<'g>> + '_ {
+        self.rows.iter().map(|(id, row)| Settled {
+            id,
+            head: row.head,
+            fields: match (row.row_update(), &row.stored) {
+                (Some(state), _) => Some(RowFields::of(state)),
+                (None, Cow::Owned(fields)) => Some(fields.clone()),
+                (None, Cow::Borrowed(_)) => None,
+            },
+        })
+    }
+
     pub(super) fn write(&self, conn: &Connection) -> Result<(), StoreError> {
         for (id, row) in &self.rows {
             for chunk in row.events.chunks(RUN_MAX_EVENTS) {
                 insert_run(conn, id, chunk.iter().map(|ev| RunEvent::from(*ev)))?;
             }
-            let Some(state) = row.pending else { continue };
-            if row.row_needed || !row.stored.matches(state) {
+            if let Some(state) = row.row_update() {
                 conn.prepare_cached(
                     "UPDATE conversations SET status = ?2, head_seq = ?3, last_activity_at = ?4, \
                      current_turn_id = ?5, last_turn_message_seq = ?6 WHERE id = ?1",
@@ -459,18 +463,41 @@ impl<'a> Touched<'a> {
     }
 }
 
+/// A conversation's stored head (its row's, or its newest run's when
+/// newer) and the fields only its row records.
+fn read_row(conn: &Connection, id: &str) -> Result<(u64, RowFields), StoreError> {
+    conn.prepare_cached(
+        "SELECT max(head_seq, coalesce((SELECT max(last_seq) FROM event_runs \
+         WHERE conversation_id = ?1), 0)), status, current_turn_id, \
+         last_turn_message_seq FROM conversations WHERE id = ?1",
+    )?
+    .query_row([id], |row| {
+        Ok((
+            row.get::<_, u64>(0)?,
+            RowFields {
+                status: row.get(1)?,
+                current_turn_id: row.get(2)?,
+                last_turn_message_seq: row.get(3)?,
+            },
+        ))
+    })
+    .optional()?
+    .ok_or_else(|| StoreError::NotFound(id.to_owned()))
+}
+
 // `touched` is only changed once a command has fully succeeded, so that a
 // command rolled back to its savepoint leaves it as it was.
 pub(super) fn apply<'a>(
     conn: &Connection,
     cmd: &'a Command,
-    touched: &mut Touched<'a>,
+    touched: &mut Touched<'a, '_>,
 ) -> Result<Done, StoreError> {
     match cmd {
         Command::Append { batch, .. } => append(conn, batch, touched).map(|()| Done::Unit),
         Command::Delete { id, .. } => {
             let existed = delete(conn, id)?;
             touched.rows.remove(id.as_str());
+            touched.deleted.push(id);
             Ok(Done::Existed(existed))
         }
         Command::AddObserver { id, user, .. } => add_observer(conn, id, user).map(|()| Done::Unit),
@@ -492,7 +519,7 @@ pub(super) fn apply<'a>(
 pub(super) fn append<'a>(
     conn: &Connection,
     batch: &'a AppendBatch,
-    touched: &mut Touched<'a>,
+    touched: &mut Touched<'a, '_>,
 ) -> Result<(), StoreError> {
     let id: &str = &batch.conversation_id;
     let state = &batch.state;
@@ -554,7 +581,7 @@ pub(super) fn append<'a>(
     let row = touched.rows.entry(id).or_insert_with(|| TouchedRow {
         // Created by this batch: the insert wrote its row.
         head: 0,
-        stored: RowFields::of(state),
+        stored: Cow::Owned(RowFields::of(state)),
         pending: None,
         row_needed: false,
         events: Vec::new(),
