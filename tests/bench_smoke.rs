@@ -54,6 +54,41 @@ fn streaming_and_storm_deliver_everything_once_to_both_servers() {
 }
 
 #[test]
+fn streaming_runs_turns_back_to_back_with_staggered_starts() {
+    let report = bench(&[
+        "streaming",
+        "-c",
+        "5",
+        "-t",
+        "10",
+        "-r",
+        "100",
+        "--turns",
+        "3",
+    ]);
+    assert_eq!(report["params"]["turns"], 3, "{report}");
+    // Latency counts while all five stream: from one turn (10 × 10 ms),
+    // when the last has started, to three, when the first finishes.
+    assert_eq!(
+        report["params"]["latency_window_s"],
+        serde_json::json!([0.1, 0.3]),
+        "{report}"
+    );
+    for server in ["linger", "relay"] {
+        assert_eq!(figure(&report, "streams finished")[server], 5.0, "{report}");
+        // Each turn: user_message, turn_started, 10 deltas,
+        // assistant_message, turn_finished.
+        assert_eq!(
+            figure(&report, "events delivered")[server],
+            (5 * 14 * 3) as f64,
+            "{report}"
+        );
+        assert_eq!(figure(&report, "gaps")[server], 0.0, "{report}");
+        assert_eq!(figure(&report, "duplicates")[server], 0.0, "{report}");
+    }
+}
+
+#[test]
 fn replay_measures_buffer_and_store() {
     let report = bench(&["replay", "-e", "100", "-a", "3"]);
     for name in [

@@ -1,7 +1,9 @@
 //! Streaming: C conversations, each with its own connection (user `uI`),
-//! each asking the demo agent for `/stream T MS` at the same moment. What it
-//! reports: delivered events/s, end-to-end latency (the event's `ts` to its
-//! receipt), the server's CPU seconds per 100,000 events and peak RSS.
+//! each asking the demo agent for `/stream T MS`, their starts spread over
+//! one token interval (or, with `--turns K`, K turns back to back, their
+//! starts spread over one turn). What it reports: delivered events/s,
+//! end-to-end latency (the event's `ts` to its receipt), the server's CPU
+//! seconds per 100,000 events and peak RSS.
 //!
 //! The same machinery drives a cluster ([`Placement`]): conversations spread
 //! over several servers, each created on one and streamed through another.
@@ -38,6 +40,16 @@ pub struct StreamingArgs {
     /// events/s.
     #[arg(long)]
     pub burst: bool,
+    /// Turns per conversation, back to back (the next message is sent when
+    /// a turn finishes). With more than one, the starts are spread over one
+    /// whole turn instead of one interval, so turns start and end evenly
+    /// (as they do in a service where conversations come and go) instead of
+    /// all within one interval; latency then counts only the events
+    /// received while every conversation streams (from one turn after the
+    /// start, when the last has started, to `turns` turns after it, when
+    /// the first finishes).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub turns: u64,
 }
 
 impl StreamingArgs {
@@ -48,6 +60,7 @@ impl StreamingArgs {
             tokens: 200,
             rate: 20.0,
             burst: false,
+            turns: 1,
         }
     }
 
@@ -58,6 +71,7 @@ impl StreamingArgs {
             tokens: 2000,
             rate: 0.0,
             burst: false,
+            turns: 1,
         }
     }
 
@@ -68,7 +82,19 @@ impl StreamingArgs {
             tokens: 20,
             rate: 2.0,
             burst: false,
+            turns: 1,
         }
+    }
+
+    /// How long one turn streams.
+    fn turn(&self) -> Duration {
+        Duration::from_millis(self.interval_ms()) * self.tokens as u32
+    }
+
+    /// When latency is counted, from the start: while every conversation
+    /// streams, with `--turns` above 1; always otherwise.
+    fn latency_window(&self) -> Option<(Duration, Duration)> {
+        (self.turns > 1 && !self.burst).then(|| (self.turn(), self.turn() * self.turns as u32))
     }
 
     fn interval_ms(&self) -> u64 {
@@ -98,6 +124,8 @@ pub async fn run(common: &Common, args: &StreamingArgs) -> anyhow::Result<Report
         "rate_per_conversation": args.rate,
         "interval_ms": args.interval_ms(),
         "burst": args.burst,
+        "turns": args.turns,
+        "latency_window_s": args.latency_window().map(|(from, to)| [from.as_secs_f64(), to.as_secs_f64()]),
         "offered_events_per_s": args.conversations as f64 * args.rate,
     });
     let runs = super::against_each(common, &[], |target| async move {
@@ -175,21 +203,27 @@ pub(crate) async fn run_on(
     let (phase_tx, phase_rx) = watch::channel(0u8);
     let connecting = Arc::new(Semaphore::new(common.connect_concurrency.max(1)));
     let latencies = Latencies::new();
-    let expected_events = (args.tokens + 4) * n as u64;
+    let events_per_conversation = (args.tokens + 4) * args.turns;
+    let expected_events = events_per_conversation * n as u64;
     let events_bar = progress(expected_events, "events");
     events_bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     // Each frame may take this long; the whole stream the time it should
     // take three times over, plus a minute.
     let frame_wait = Duration::from_millis((args.interval_ms() * 5).max(15_000));
-    let stream_secs = args.tokens as f64 * args.interval_ms() as f64 / 1000.0;
+    let stream_secs = (args.turns + 1) as f64 * args.turn().as_secs_f64();
     let stream_deadline = Duration::from_secs_f64(stream_secs * 3.0 + 60.0 + n as f64 * 0.002);
 
     let mut tasks = Vec::with_capacity(n);
     for i in 0..n {
+        let spread = if args.turns > 1 {
+            args.turn()
+        } else {
+            Duration::from_millis(args.interval_ms())
+        };
         let offset = if args.burst {
             Duration::ZERO
         } else {
-            Duration::from_millis(args.interval_ms()) * i as u32 / n as u32
+            spread * i as u32 / n as u32
         };
         let (create_on, url) = placement.urls_of(i);
         let job = Job {
@@ -198,6 +232,8 @@ pub(crate) async fn run_on(
             user: format!("u{i}"),
             text: text.clone(),
             tokens: args.tokens,
+            turns: args.turns,
+            latency_window: args.latency_window(),
             frame_wait,
             offset,
         };
@@ -231,7 +267,7 @@ pub(crate) async fn run_on(
 
     // Everyone streams from here.
     events_bar.set_draw_target(indicatif::ProgressDrawTarget::stderr_with_hz(4));
-    events_bar.set_length((args.tokens + 4) * ready as u64);
+    events_bar.set_length(events_per_conversation * ready as u64);
     events_bar.reset_elapsed();
     let server_before = ProcStats::summed(&placement.pids);
     let helpers_before: Vec<Option<ProcStats>> = placement
@@ -345,6 +381,9 @@ struct Job {
     user: String,
     text: String,
     tokens: u64,
+    turns: u64,
+    /// See [`StreamingArgs::latency_window`].
+    latency_window: Option<(Duration, Duration)>,
     frame_wait: Duration,
     /// How long after the start this conversation starts streaming.
     offset: Duration,
@@ -420,54 +459,74 @@ impl Job {
         bar: &ProgressBar,
     ) -> anyhow::Result<()> {
         let mut local = latencies.local();
+        // Every stream is told to start at the same moment (give or take
+        // the scheduling of this task).
+        let start = Instant::now();
+        let counted = |now: Instant| {
+            self.latency_window.is_none_or(|(from, to)| {
+                let since = now.duration_since(start);
+                since >= from && since < to
+            })
+        };
         tokio::time::sleep(self.offset).await;
-        client.message(id, &self.text).await?;
         let mut unreported = 0;
-        // user_message, turn_started, T deltas, assistant_message,
-        // turn_finished, the ack, and a few moves: bounded with room to
-        // spare.
-        let bound = self.tokens + 64 + 4 * MAX_MOVES;
-        for _ in 0..bound {
-            let text = client.recv(self.frame_wait).await?;
-            let frame = parse(text.as_str())?;
-            if frame.ty == "detached" && outcome.moved < MAX_MOVES && is_moved(text.as_str()) {
-                // Cluster mode: the conversation's owner changed (protocol
-                // §10.2); attach again through the same node and resume
-                // after the last seq seen, as a client must.
-                outcome.moved += 1;
-                match client
-                    .attach_answer(id, outcome.seq.last, self.frame_wait)
-                    .await?
-                {
-                    AttachAnswer::Attached => continue,
-                    AttachAnswer::Refused(frame) => bail!("attach after a move refused: {frame}"),
+        for _ in 0..self.turns {
+            client.message(id, &self.text).await?;
+            // user_message, turn_started, T deltas, assistant_message,
+            // turn_finished, the ack, and a few moves: bounded with room to
+            // spare.
+            let bound = self.tokens + 64 + 4 * MAX_MOVES;
+            let mut finished = false;
+            for _ in 0..bound {
+                let text = client.recv(self.frame_wait).await?;
+                let frame = parse(text.as_str())?;
+                if frame.ty == "detached" && outcome.moved < MAX_MOVES && is_moved(text.as_str()) {
+                    // Cluster mode: the conversation's owner changed
+                    // (protocol §10.2); attach again through the same node
+                    // and resume after the last seq seen, as a client must.
+                    outcome.moved += 1;
+                    match client
+                        .attach_answer(id, outcome.seq.last, self.frame_wait)
+                        .await?
+                    {
+                        AttachAnswer::Attached => continue,
+                        AttachAnswer::Refused(frame) => {
+                            bail!("attach after a move refused: {frame}")
+                        }
+                    }
+                }
+                if frame.ty == "error" || frame.ty == "detached" {
+                    bail!("{} frame: {}", frame.ty, text.as_str());
+                }
+                if !frame.is_event() {
+                    continue;
+                }
+                if let Some(seq) = frame.seq {
+                    outcome.seq.see(seq);
+                }
+                if let Some(us) = frame.latency_us() {
+                    if counted(Instant::now()) {
+                        local.record(us);
+                    }
+                }
+                outcome.events += 1;
+                unreported += 1;
+                if unreported == 64 {
+                    bar.inc(unreported);
+                    unreported = 0;
+                }
+                if frame.kind_is("turn_finished") {
+                    finished = true;
+                    break;
                 }
             }
-            if frame.ty == "error" || frame.ty == "detached" {
-                bail!("{} frame: {}", frame.ty, text.as_str());
-            }
-            if !frame.is_event() {
-                continue;
-            }
-            if let Some(seq) = frame.seq {
-                outcome.seq.see(seq);
-            }
-            if let Some(us) = frame.latency_us() {
-                local.record(us);
-            }
-            outcome.events += 1;
-            unreported += 1;
-            if unreported == 64 {
-                bar.inc(unreported);
-                unreported = 0;
-            }
-            if frame.kind_is("turn_finished") {
-                outcome.finished = Some(Instant::now());
-                bar.inc(unreported);
-                return Ok(());
+            if !finished {
+                bail!("no turn_finished after {bound} frames");
             }
         }
-        bail!("no turn_finished after {bound} frames")
+        outcome.finished = Some(Instant::now());
+        bar.inc(unreported);
+        Ok(())
     }
 }
 
