@@ -9,6 +9,14 @@
 //! saw), so both must see every span from the start, and swapping one
 //! layer for another at a reload would leave the actors' long-lived spans
 //! without it.
+//!
+//! Dependencies that log through the `log` crate (tungstenite, hyper, …)
+//! reach this subscriber through tracing-subscriber's bridge, which lets
+//! every level through when the filter's maximum cannot be told from the
+//! layers (as with the per-format filters here): each `log::trace!` of a
+//! websocket frame then went through the subscriber to be refused. So the
+//! `log` crate's own maximum follows the filter's, at start and at every
+//! reload.
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -42,6 +50,9 @@ pub struct Logging {
     format: Arc<AtomicU8>,
     /// `LINGER_LOG` was set (and valid) at start.
     level_from_env: bool,
+    /// This subscriber is the process's, and so is the `log` crate's
+    /// maximum level (not so when embedded in a program that has its own).
+    installed: bool,
 }
 
 fn format_code(format: LogFormat) -> u8 {
@@ -83,8 +94,33 @@ pub fn init(config: &LogConfig) -> Arc<Logging> {
     let (subscriber, logging) = subscriber(config, from_env, std::io::stderr, ansi);
     // Only fails when a subscriber is already installed (embedded use):
     // that one stays.
-    let _ = subscriber.try_init();
+    let mut logging = logging;
+    logging.installed = subscriber.try_init().is_ok();
+    logging.sync_log_crate();
     Arc::new(logging)
+}
+
+/// The most verbose level `filter` lets through, for the `log` crate.
+fn log_crate_level(filter: &EnvFilter) -> log::LevelFilter {
+    use tracing::level_filters::LevelFilter;
+    match filter.max_level_hint() {
+        Some(LevelFilter::OFF) => log::LevelFilter::Off,
+        Some(LevelFilter::ERROR) => log::LevelFilter::Error,
+        Some(LevelFilter::WARN) => log::LevelFilter::Warn,
+        Some(LevelFilter::INFO) => log::LevelFilter::Info,
+        Some(LevelFilter::DEBUG) => log::LevelFilter::Debug,
+        _ => log::LevelFilter::Trace,
+    }
+}
+
+impl Logging {
+    fn sync_log_crate(&self) {
+        if self.installed {
+            let _ = self
+                .filter
+                .with_current(|filter| log::set_max_level(log_crate_level(filter)));
+        }
+    }
 }
 
 /// The subscriber writing to `writer`, and its switches. `env_level`, when
@@ -128,6 +164,7 @@ where
         filter: handle,
         format: chosen,
         level_from_env,
+        installed: false,
     };
     (subscriber, logging)
 }
@@ -148,7 +185,9 @@ impl LogControl for Logging {
             .map_err(|e| format!("log.level: not a tracing filter: {e}"))?;
         self.filter
             .reload(filter)
-            .map_err(|e| format!("log.level: {e}"))
+            .map_err(|e| format!("log.level: {e}"))?;
+        self.sync_log_crate();
+        Ok(())
     }
 
     fn set_format(&self, format: LogFormat) {
@@ -230,5 +269,18 @@ mod tests {
         assert!(logging
             .level_locked()
             .is_some_and(|why| why.contains(LEVEL_ENV)));
+    }
+
+    #[test]
+    fn the_log_crate_gets_the_filters_most_verbose_level() {
+        for (filter, level) in [
+            ("info", log::LevelFilter::Info),
+            ("warn", log::LevelFilter::Warn),
+            ("warn,linger=debug", log::LevelFilter::Debug),
+            ("info,tungstenite=trace", log::LevelFilter::Trace),
+            ("off", log::LevelFilter::Off),
+        ] {
+            assert_eq!(log_crate_level(&EnvFilter::new(filter)), level, "{filter}");
+        }
     }
 }
