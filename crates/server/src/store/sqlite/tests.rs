@@ -569,14 +569,24 @@ async fn runs_read_back_from_any_seq_and_the_row_is_written_on_change_only() {
     let meta = store.get("c_1").await.unwrap().unwrap();
     assert_eq!(meta.head_seq, head);
     assert_eq!(meta.last_activity_at, all[300].ts());
-    // An append must follow the head the runs hold, not the row's.
-    let stale = events_batch("c_1", vec![delta("c_1", 2, "x")], state(Status::Idle, 2));
-    let refused = append(&store, stale).await.err().map(|e| e.to_string());
+    // An append must follow the head the runs hold, not the row's: as the
+    // writer remembers it, and as a fresh writer reads it back.
+    let stale = || events_batch("c_1", vec![delta("c_1", 2, "x")], state(Status::Idle, 2));
+    let refused = append(&store, stale()).await.err().map(|e| e.to_string());
     assert!(
         refused
             .as_deref()
             .is_some_and(|e| e.contains("stored head_seq is 301")),
         "{refused:?}"
+    );
+    drop(store);
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let refused = append(&store, stale()).await.err().map(|e| e.to_string());
+    assert!(
+        refused
+            .as_deref()
+            .is_some_and(|e| e.contains("stored head_seq is 301")),
+        "after reopening: {refused:?}"
     );
     // A status change writes the row.
     let evs = vec![delta("c_1", head + 1, "x")];
