@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use tracing::subscriber::Interest;
 use tracing::Metadata;
+use tracing_subscriber::filter::filter_fn;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::{Context, Filter, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;
@@ -82,6 +83,15 @@ impl<S> Filter<S> for FormatIs {
             Interest::always()
         }
     }
+}
+
+/// The actor runtime's spans (ractor opens two per actor, for the actor's
+/// whole life) are never recorded, at any level: they name only its
+/// internal actor id, while linger's lines name the conversation and the
+/// connection themselves, and recorded they cost about 400 bytes per active
+/// conversation and a span entered and left at every poll of every actor.
+fn is_runtime_span(meta: &Metadata<'_>) -> bool {
+    meta.is_span() && meta.target().starts_with("ractor")
 }
 
 /// Installs the process's logging (once, at start).
@@ -158,6 +168,7 @@ where
         });
     let subscriber = tracing_subscriber::registry()
         .with(filter)
+        .with(filter_fn(|meta| !is_runtime_span(meta)))
         .with(pretty)
         .with(json);
     let logging = Logging {
@@ -256,6 +267,31 @@ mod tests {
             "{text}"
         );
         assert!(logging.level_locked().is_none());
+    }
+
+    /// The actor runtime's spans are not recorded, at any level; a span of
+    /// linger's own is, and a line inside both names only linger's.
+    #[test]
+    fn the_actor_runtimes_spans_are_not_recorded() {
+        let out = Memory::default();
+        let (subscriber, _logging) = subscriber(
+            &LogConfig::default(),
+            Some(EnvFilter::new("trace")),
+            out.clone(),
+            false,
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            let runtime = tracing::info_span!(target: "ractor::actor", "Actor", id = 1);
+            assert!(runtime.is_disabled());
+            let _runtime = runtime.enter();
+            let own = tracing::info_span!("attach", id = 2);
+            assert!(!own.is_disabled());
+            let _own = own.enter();
+            tracing::info!("inside");
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("attach{id=2}"), "{text}");
+        assert!(!text.contains("Actor"), "{text}");
     }
 
     #[test]

@@ -1,18 +1,24 @@
-//! The connection actor: one per websocket. It parses and validates client
-//! frames and turns them into messages to the supervisor and conversation
-//! actors. Of its attachments it keeps only where to route their frames
-//! (the conversation actor per id): the conversation owns the mode and
-//! judges control rights. On socket loss it detaches every attachment and
-//! stops. It never blocks a conversation: replies and events reach the
-//! socket through [`Outbound`].
+//! A connection: one per websocket, run by the socket's own task (see
+//! `gateway/ws.rs`), which hands it each frame in turn. It parses and
+//! validates client frames and turns them into messages to the supervisor
+//! and conversation actors. Of its attachments it keeps only where to route
+//! their frames (the conversation actor per id, in [`Routes`]): the
+//! conversation owns the mode and judges control rights. On socket loss it
+//! detaches every attachment. It never blocks a conversation: replies and
+//! events reach the socket through [`Outbound`].
+//!
+//! It is not a ractor actor: it has one source of input (its socket, read
+//! one frame at a time) and one message from outside (a conversation
+//! letting it go, which only edits [`Routes`]), so a mailbox and an actor
+//! cell would add about 6 KiB per open socket and nothing it uses
+//! (ARCHITECTURE.md, "Connections").
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tokio::sync::Semaphore;
+use ractor::{ActorId, ActorRef};
 use tracing::{debug, info};
 
 use super::conversation::{Announce, ConversationMsg, DetachCause};
@@ -26,27 +32,75 @@ use crate::protocol::{self, ClientFrame, ErrorCode, Mode, ReqId, ServerFrame};
 
 pub type ConnId = u64;
 
+/// How a conversation tells a connection that it let it go on its own
+/// (a stop, a close, an eviction, a failed first write), so that the
+/// connection stops routing that conversation's frames to it.
+pub trait DetachNotice: Send + Sync {
+    /// `conversation` is the actor that let go: a route to a newer
+    /// activation of the same conversation is kept.
+    fn detached_by(&self, conversation_id: &Arc<str>, conversation: ActorId);
+}
+
 /// What a conversation needs to reach one connection.
 #[derive(Clone)]
 pub struct ConnectionHandle {
     pub id: ConnId,
     pub user: Arc<str>,
     pub outbound: Outbound,
-    pub actor: ActorRef<ConnectionMsg>,
+    pub notice: Arc<dyn DetachNotice>,
 }
 
-pub enum ConnectionMsg {
-    /// A text frame from the socket.
-    Text(String),
-    /// A binary frame: not part of the protocol.
-    Binary,
-    /// The conversation detached this connection (stop, close, eviction).
-    DetachedBy {
-        conversation_id: Arc<str>,
-        actor: ractor::ActorId,
-    },
-    /// The socket is gone.
-    SocketClosed,
+impl ConnectionHandle {
+    /// Tells the connection that `conversation` let it go.
+    pub fn detached_by(&self, conversation_id: &Arc<str>, conversation: ActorId) {
+        self.notice.detached_by(conversation_id, conversation);
+    }
+}
+
+/// The conversation actor each attached conversation's frames go to,
+/// shared by the connection and the conversations it is attached to (which
+/// drop their own route when they let it go).
+#[derive(Default)]
+pub struct Routes(Mutex<HashMap<Arc<str>, ActorRef<ConversationMsg>>>);
+
+impl Routes {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Arc<str>, ActorRef<ConversationMsg>>> {
+        // A panic while the map was held cannot leave it half-changed: every
+        // use is one insert, get or remove.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn get(&self, id: &str) -> Option<ActorRef<ConversationMsg>> {
+        self.lock().get(id).cloned()
+    }
+
+    fn insert(&self, id: Arc<str>, actor: ActorRef<ConversationMsg>) {
+        self.lock().insert(id, actor);
+    }
+
+    fn remove(&self, id: &str) -> Option<ActorRef<ConversationMsg>> {
+        self.lock().remove(id)
+    }
+
+    fn take_all(&self) -> Vec<ActorRef<ConversationMsg>> {
+        self.lock().drain().map(|(_, route)| route).collect()
+    }
+}
+
+impl DetachNotice for Routes {
+    fn detached_by(&self, conversation_id: &Arc<str>, conversation: ActorId) {
+        let mut routes = self.lock();
+        // Only if still attached to that actor, not to a newer activation
+        // of the same conversation.
+        if routes
+            .get(conversation_id)
+            .is_some_and(|route| route.get_id() == conversation)
+        {
+            routes.remove(conversation_id);
+        }
+    }
 }
 
 pub struct ConnectionArgs {
@@ -56,12 +110,7 @@ pub struct ConnectionArgs {
     pub supervisor: ActorRef<SupervisorMsg>,
     /// Read at each frame: a reload applies from the next one on.
     pub config: LiveConfig,
-    /// Frames read but not yet handled; the reader takes a permit per frame,
-    /// the actor returns it, so a flooding client is slowed by TCP.
-    pub inflight: Arc<Semaphore>,
 }
-
-pub struct Connection;
 
 /// A limiter of `limits.messages_per_second` with burst
 /// `limits.messages_burst`, and the pair it was built from.
@@ -75,7 +124,9 @@ fn rate_limiter(limits: &LimitsConfig) -> (DefaultDirectRateLimiter, (u32, u32))
     )
 }
 
-pub struct State {
+/// One websocket's connection. Dropping it (the socket is gone, or its
+/// task ended any other way) detaches it from every conversation.
+pub struct Connection {
     handle: ConnectionHandle,
     /// `limits.messages_per_second` with burst `limits.messages_burst`.
     limiter: DefaultDirectRateLimiter,
@@ -84,126 +135,79 @@ pub struct State {
     limiter_quota: (u32, u32),
     supervisor: ActorRef<SupervisorMsg>,
     config: LiveConfig,
-    inflight: Arc<Semaphore>,
-    /// The conversation actor each attached conversation's frames go to.
-    /// Dropped on `detach`, or when the conversation detaches us
-    /// (`DetachedBy`).
-    routes: HashMap<Arc<str>, ActorRef<ConversationMsg>>,
+    /// Dropped on `detach`, or when the conversation detaches us.
+    routes: Arc<Routes>,
 }
 
-impl Actor for Connection {
-    type Msg = ConnectionMsg;
-    type State = State;
-    type Arguments = ConnectionArgs;
-
-    async fn pre_start(
-        &self,
-        myself: ActorRef<ConnectionMsg>,
-        args: ConnectionArgs,
-    ) -> Result<State, ActorProcessingErr> {
+impl Connection {
+    pub fn open(args: ConnectionArgs) -> Connection {
         info!(connection = args.id, user = %args.user, "connection opened");
         let config = args.config.get();
         let (limiter, limiter_quota) = rate_limiter(&config.limits);
-        Ok(State {
+        let routes = Arc::new(Routes::default());
+        Connection {
             limiter,
             limiter_quota,
             handle: ConnectionHandle {
                 id: args.id,
                 user: args.user,
                 outbound: args.outbound,
-                actor: myself,
+                notice: routes.clone(),
             },
             supervisor: args.supervisor,
             config: args.config,
-            inflight: args.inflight,
-            routes: HashMap::new(),
-        })
+            routes,
+        }
     }
 
-    async fn handle(
-        &self,
-        myself: ActorRef<ConnectionMsg>,
-        message: ConnectionMsg,
-        state: &mut State,
-    ) -> Result<(), ActorProcessingErr> {
-        match message {
-            ConnectionMsg::Text(text) => {
-                state.inflight.add_permits(1);
-                state.follow_rate_limits();
-                match ClientFrame::parse(&text) {
-                    Ok(frame) if state.limiter.check().is_err() => {
-                        state.reply(&ServerFrame::error(
-                            frame.req().cloned(),
-                            ErrorCode::RateLimited,
-                            format!(
-                                "more than {} frames per second (limits.messages_per_second)",
-                                state.limiter_quota.0
-                            ),
-                            frame.conversation_id().map(str::to_owned),
-                        ));
-                    }
-                    Ok(frame) => state.handle_frame(frame).await,
-                    Err(e) => state.reply(&ServerFrame::error(
-                        e.req,
-                        ErrorCode::BadRequest,
-                        e.message,
-                        e.conversation_id,
-                    )),
-                }
-            }
-            ConnectionMsg::Binary => {
-                state.inflight.add_permits(1);
-                state.reply(&ServerFrame::error(
-                    None,
-                    ErrorCode::BadRequest,
-                    "binary frames are not part of the protocol: send JSON text frames",
-                    None,
+    pub fn id(&self) -> ConnId {
+        self.handle.id
+    }
+
+    /// A text frame from the socket.
+    pub async fn text(&mut self, text: &str) {
+        self.follow_rate_limits();
+        match ClientFrame::parse(text) {
+            Ok(frame) if self.limiter.check().is_err() => {
+                self.reply(&ServerFrame::error(
+                    frame.req().cloned(),
+                    ErrorCode::RateLimited,
+                    format!(
+                        "more than {} frames per second (limits.messages_per_second)",
+                        self.limiter_quota.0
+                    ),
+                    frame.conversation_id().map(str::to_owned),
                 ));
             }
-            ConnectionMsg::DetachedBy {
-                conversation_id,
-                actor,
-            } => {
-                // Only if still attached to that actor, not to a newer
-                // activation of the same conversation.
-                if state
-                    .routes
-                    .get(&conversation_id)
-                    .is_some_and(|route| route.get_id() == actor)
-                {
-                    state.routes.remove(&conversation_id);
-                }
-            }
-            ConnectionMsg::SocketClosed => {
-                state.detach_all();
-                myself.stop(Some("socket closed".into()));
-            }
+            Ok(frame) => self.handle_frame(frame).await,
+            Err(e) => self.reply(&ServerFrame::error(
+                e.req,
+                ErrorCode::BadRequest,
+                e.message,
+                e.conversation_id,
+            )),
         }
-        Ok(())
     }
 
-    async fn post_stop(
-        &self,
-        _myself: ActorRef<ConnectionMsg>,
-        state: &mut State,
-    ) -> Result<(), ActorProcessingErr> {
-        state.detach_all();
-        info!(connection = state.handle.id, user = %state.handle.user, "connection closed");
-        Ok(())
+    /// A binary frame: not part of the protocol.
+    pub fn binary(&self) {
+        self.reply(&ServerFrame::error(
+            None,
+            ErrorCode::BadRequest,
+            "binary frames are not part of the protocol: send JSON text frames",
+            None,
+        ));
     }
-}
 
-impl State {
     /// The socket is gone: every conversation lets this connection go.
-    fn detach_all(&mut self) {
-        for (_, route) in self.routes.drain() {
+    fn detach_all(&self) {
+        for route in self.routes.take_all() {
             let _ = route.cast(ConversationMsg::Detach {
                 conn: self.handle.id,
                 cause: DetachCause::SocketGone,
             });
         }
     }
-
     /// A reload changed the rate limits: a fresh limiter (a full bucket)
     /// applies them from this frame on, without closing anything.
     fn follow_rate_limits(&mut self) {
@@ -234,10 +238,10 @@ impl State {
         }
         match frame {
             ClientFrame::Ping { req } => self.reply(&ServerFrame::Pong { req }),
-            // Create and attach are boxed: ractor keeps each actor's
-            // handler future in one allocation for the actor's life, sized
-            // by its largest await, and these two (supervisor calls) are
-            // far larger than every other path of a connection, and rarer.
+            // Create and attach are boxed: the socket's task is one
+            // allocation for the connection's life, sized by its largest
+            // await, and these two (supervisor calls) are far larger than
+            // every other path of a connection, and rarer.
             ClientFrame::Create {
                 req,
                 title,
@@ -262,7 +266,7 @@ impl State {
             ClientFrame::Detach {
                 req,
                 conversation_id,
-            } => match self.routes.remove(conversation_id.as_str()) {
+            } => match self.routes.remove(&conversation_id) {
                 Some(route) => {
                     let _ = route.cast(ConversationMsg::Detach {
                         conn: self.handle.id,
@@ -449,7 +453,13 @@ impl State {
             req: req.clone(),
             announce,
         };
+        // Routed before the conversation can see the attach: it may let
+        // this connection go (`detached_by`) as soon as it does.
+        self.routes
+            .insert(activated.id.clone(), activated.actor.clone());
         if activated.actor.cast(message).is_err() {
+            self.routes
+                .detached_by(&activated.id, activated.actor.get_id());
             match announce {
                 // A new conversation gone before its creator attached: its
                 // first write failed (nothing else stops it that early).
@@ -466,8 +476,57 @@ impl State {
                     &activated.id,
                 ),
             }
-            return;
         }
-        self.routes.insert(activated.id, activated.actor);
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.detach_all();
+        info!(connection = self.handle.id, user = %self.handle.user, "connection closed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ractor::{Actor, ActorProcessingErr};
+
+    use super::*;
+
+    /// A conversation actor stand-in that ignores what it is sent.
+    struct Sink;
+
+    impl Actor for Sink {
+        type Msg = ConversationMsg;
+        type State = ();
+        type Arguments = ();
+
+        async fn pre_start(
+            &self,
+            _myself: ActorRef<ConversationMsg>,
+            _args: (),
+        ) -> Result<(), ActorProcessingErr> {
+            Ok(())
+        }
+    }
+
+    /// A stopped activation's late notice leaves the route to the newer
+    /// activation of the same conversation; the newer one's notice drops it.
+    #[tokio::test]
+    async fn a_conversation_lets_go_only_of_its_own_route() {
+        let (older, _) = Actor::spawn(None, Sink, ()).await.expect("sink");
+        let (newer, _) = Actor::spawn(None, Sink, ()).await.expect("sink");
+        let routes = Routes::default();
+        let id: Arc<str> = Arc::from("c1");
+        routes.insert(id.clone(), newer.clone());
+
+        routes.detached_by(&id, older.get_id());
+        let kept = routes.get("c1").map(|route| route.get_id());
+        assert_eq!(kept, Some(newer.get_id()));
+
+        routes.detached_by(&id, newer.get_id());
+        assert!(routes.get("c1").is_none());
+        older.stop(None);
+        newer.stop(None);
     }
 }

@@ -1,7 +1,8 @@
 //! The supervisor's and the conversation's timer rules (idle close, detach
 //! grace, turn timeout, protocol §6) under tokio's paused clock: the real
 //! actors, the demo agent and an in-memory store, with an in-process
-//! "socket" (a connection actor fed frames, its outbound queue read back).
+//! "socket" (a connection fed frames by a task, its outbound queue read
+//! back).
 //! Nothing here waits on a wall clock, so a busy machine cannot make these
 //! fail; the margins asserted are the protocol's, in virtual time.
 
@@ -10,10 +11,10 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
 use serde_json::{json, Value};
-use tokio::sync::Semaphore;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::connection::{Connection, ConnectionArgs, ConnectionMsg};
+use super::connection::{Connection, ConnectionArgs};
 use super::outbound::{self, OutboundReceiver};
 use super::supervision_log::SupervisionLog;
 use super::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
@@ -71,37 +72,37 @@ async fn node(tweak: impl FnOnce(&mut Config)) -> Node {
     }
 }
 
-/// A connection actor without a socket: frames go in as `Text`, what the
-/// client would read comes out of the outbound queue.
+/// A connection without a socket: a task hands it the frames sent, one at
+/// a time as the socket's task does; what the client would read comes out
+/// of the outbound queue.
 struct Socket {
-    actor: ActorRef<ConnectionMsg>,
+    frames: mpsc::UnboundedSender<String>,
     out: OutboundReceiver,
 }
 
 impl Socket {
     async fn open(node: &Node, id: u64, user: &str) -> Socket {
         let (outbound, out) = outbound::channel(1000, Duration::from_secs(30));
-        let (actor, _) = Actor::spawn(
-            None,
-            Connection,
-            ConnectionArgs {
-                id,
-                user: Arc::from(user),
-                outbound,
-                supervisor: node.supervisor.clone(),
-                config: node.config.clone(),
-                inflight: Arc::new(Semaphore::new(0)),
-            },
-        )
-        .await
-        .expect("connection actor");
-        Socket { actor, out }
+        let mut connection = Connection::open(ConnectionArgs {
+            id,
+            user: Arc::from(user),
+            outbound,
+            supervisor: node.supervisor.clone(),
+            config: node.config.clone(),
+        });
+        let (frames, mut incoming) = mpsc::unbounded_channel::<String>();
+        tokio::spawn(async move {
+            while let Some(text) = incoming.recv().await {
+                connection.text(&text).await;
+            }
+        });
+        Socket { frames, out }
     }
 
     fn send(&self, frame: Value) {
-        self.actor
-            .cast(ConnectionMsg::Text(frame.to_string()))
-            .expect("connection actor alive");
+        self.frames
+            .send(frame.to_string())
+            .expect("the connection's task lives");
     }
 
     async fn recv(&mut self) -> Value {
@@ -120,7 +121,7 @@ impl Socket {
 
     /// The socket goes away: the connection detaches everywhere.
     fn close(self) {
-        let _ = self.actor.cast(ConnectionMsg::SocketClosed);
+        drop(self.frames);
     }
 }
 

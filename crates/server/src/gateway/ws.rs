@@ -1,6 +1,6 @@
-//! `/v1/ws`: authenticates, upgrades, and wires one socket to its connection
-//! actor: a reader loop that hands frames to the actor, and a writer task
-//! that owns the socket's write half and drains the outbound queue.
+//! `/v1/ws`: authenticates, upgrades, and serves one socket: its task reads
+//! frames and hands each to the socket's [`Connection`], and a writer task
+//! owns the socket's write half and drains the outbound queue.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -12,8 +12,6 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::Response;
 use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
-use ractor::Actor;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -21,13 +19,11 @@ use super::auth::Caller;
 use super::connections::Slot;
 use super::rest;
 use super::AppState;
-use crate::actors::connection::{Connection, ConnectionArgs, ConnectionMsg};
+use crate::actors::connection::{Connection, ConnectionArgs};
 use crate::actors::outbound::{self, close_code, CloseRequest, OutboundReceiver};
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, ServerFrame};
 
-/// Frames read from one socket and not yet handled by its actor.
-const INFLIGHT_FRAMES: usize = 64;
 /// How long a close frame may take to go out.
 const CLOSE_PATIENCE: Duration = Duration::from_secs(2);
 /// The websocket library's read buffer per connection (its default,
@@ -125,25 +121,15 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let limits = app.config.get().limits.clone();
     let (outbound, receiver) =
         outbound::channel(limits.max_outbound_frames, limits.slow_consumer_patience);
-    let inflight = Arc::new(Semaphore::new(INFLIGHT_FRAMES));
-    let args = ConnectionArgs {
+    // Frames are handled one at a time, as they are read: a client that
+    // sends faster than they are handled is held back by TCP.
+    let mut connection = Connection::open(ConnectionArgs {
         id,
         user: Arc::from(caller.user.as_str()),
         outbound: outbound.clone(),
         supervisor: app.supervisor.clone(),
         config: app.config.clone(),
-        inflight: inflight.clone(),
-    };
-    // Boxed: its future is large and lives only while the actor starts,
-    // but unboxed it would take room in every connection's task for the
-    // connection's whole life.
-    let (actor, actor_done) = match Box::pin(Actor::spawn(None, Connection, args)).await {
-        Ok(spawned) => spawned,
-        Err(e) => {
-            warn!(error = %e, "connection actor failed to start");
-            return;
-        }
-    };
+    });
     m::websocket_connections(1.0);
     let writer = tokio::spawn(write_loop(sink, receiver, app.shutdown.clone()));
     loop {
@@ -167,7 +153,7 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
         // Read per frame, so that a reload reaches open connections too (up
         // to the library's cap, twice the value the socket opened with).
         let max = app.config.get().limits.max_frame_bytes;
-        let msg = match message {
+        match message {
             Message::Text(text) if text.len() > max => {
                 outbound.close(close_code::TOO_BIG, "frame too big", false);
                 break;
@@ -176,21 +162,14 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
                 outbound.close(close_code::TOO_BIG, "frame too big", false);
                 break;
             }
-            Message::Text(text) => ConnectionMsg::Text(text.to_string()),
-            Message::Binary(_) => ConnectionMsg::Binary,
+            Message::Text(text) => connection.text(&text).await,
+            Message::Binary(_) => connection.binary(),
             Message::Close(_) => break,
             Message::Ping(_) | Message::Pong(_) => continue,
-        };
-        match inflight.acquire().await {
-            Ok(permit) => permit.forget(),
-            Err(_) => break,
-        }
-        if actor.cast(msg).is_err() {
-            break;
         }
     }
-    let _ = actor.cast(ConnectionMsg::SocketClosed);
-    let _ = actor_done.await;
+    // Every conversation lets it go before the close goes out.
+    drop(connection);
     // The socket is gone or closing: nothing queued can be delivered now,
     // unless the server is shutting down, when the writer sends what is
     // queued (`detached shutdown`) before its 1001 close.

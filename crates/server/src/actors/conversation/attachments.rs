@@ -40,19 +40,16 @@ impl State {
                 "the conversation is stopping; attach again",
                 Some(self.id.to_string()),
             ));
-            let _ = conn.actor.cast(ConnectionMsg::DetachedBy {
-                conversation_id: self.id.clone(),
-                actor: myself.get_id(),
-            });
+            conn.detached_by(&self.id, myself.get_id());
             return;
         }
         if announce == Announce::Created && self.log.committed() == 0 {
-            self.pending_creator = Some(PendingCreator { conn, mode, req });
+            self.pending_creator = Some(Box::new(PendingCreator { conn, mode, req }));
             return;
         }
         let conn_id = conn.id;
         if let Some(old) = self.attachments.remove(&conn_id) {
-            old.cancel.cancel();
+            old.stop_replay();
         }
         let head_seq = self.log.committed();
         let from = cursor::attach_from(last_seq, head_seq);
@@ -80,12 +77,12 @@ impl State {
             attach_user = %conn.user, mode = mode.as_str(), last_seq, head_seq, "attached");
         self.attachments.insert(
             conn_id,
-            Attachment {
+            Box::new(Attachment {
                 conn,
                 mode,
                 cursor: Cursor::attaching(),
-                cancel: CancellationToken::new(),
-            },
+                cancel: None,
+            }),
         );
         self.last_activity = Instant::now();
         // Published before the replay starts, so that anyone who has seen
@@ -128,7 +125,10 @@ impl State {
             conversation_id: self.id.clone(),
             store: self.store.clone(),
             conn: attachment.conn.clone(),
-            cancel: attachment.cancel.clone(),
+            cancel: attachment
+                .cancel
+                .get_or_insert_with(CancellationToken::new)
+                .clone(),
             generation: round,
             from,
             to,
@@ -152,8 +152,11 @@ impl State {
         let after = attachment
             .cursor
             .round_ended(generation, next_seq, self.log.committed());
-        if let AfterRound::CatchUpFrom(from) = after {
-            self.spawn_catch_up(myself, conn_id, from, None, None);
+        match after {
+            AfterRound::CatchUpFrom(from) => self.spawn_catch_up(myself, conn_id, from, None, None),
+            // No round serves a live cursor: nothing is left to cancel.
+            AfterRound::Live => attachment.cancel = None,
+            AfterRound::Stale => {}
         }
     }
 
@@ -170,9 +173,9 @@ impl State {
         }
     }
 
-    pub(super) fn remove_attachment(&mut self, conn_id: ConnId) -> Option<Attachment> {
+    pub(super) fn remove_attachment(&mut self, conn_id: ConnId) -> Option<Box<Attachment>> {
         let attachment = self.attachments.remove(&conn_id)?;
-        attachment.cancel.cancel();
+        attachment.stop_replay();
         self.last_activity = Instant::now();
         info!(conversation = %self.id, user = %self.user, connection = conn_id,
             status = self.status().as_str(), attached = self.attachments.len(), "detached");

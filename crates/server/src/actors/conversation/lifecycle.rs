@@ -58,17 +58,14 @@ impl State {
         };
         let detach_reason = reason.detach_reason();
         for (conn_id, attachment) in self.attachments.drain() {
-            attachment.cancel.cancel();
+            attachment.stop_replay();
             self.departed.insert(conn_id, attachment.conn.clone());
             attachment.conn.outbound.reply(&ServerFrame::Detached {
                 req: None,
                 conversation_id: self.id.to_string(),
                 reason: detach_reason,
             });
-            let _ = attachment.conn.actor.cast(ConnectionMsg::DetachedBy {
-                conversation_id: self.id.clone(),
-                actor: myself.get_id(),
-            });
+            attachment.conn.detached_by(&self.id, myself.get_id());
         }
         self.gauge.set_stopped();
         // Drain, not stop: requests already in the mailbox are answered

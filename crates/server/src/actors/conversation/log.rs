@@ -74,7 +74,8 @@ struct Batch {
     client_msg_ids: Vec<(String, u64)>,
     /// Ids of messages before this seq left the window (0: none did).
     forget_client_msg_ids_before: u64,
-    create: Option<NewConversation>,
+    /// Boxed: set only until the first write, and every log holds a batch.
+    create: Option<Box<NewConversation>>,
 }
 
 #[derive(Debug)]
@@ -135,7 +136,7 @@ impl Log {
 
     /// The next write creates the conversation.
     pub(super) fn create(&mut self, conversation: NewConversation) {
-        self.batch.create = Some(conversation);
+        self.batch.create = Some(Box::new(conversation));
     }
 
     /// Assigns the next seq to an event (serialized here, once) and adds
@@ -187,7 +188,7 @@ impl Log {
             credits,
             client_msg_ids,
             forget_client_msg_ids_before,
-            create,
+            create: create.map(|c| *c),
             epoch: self.epoch,
         })
     }

@@ -44,7 +44,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::connection::{ConnId, ConnectionHandle, ConnectionMsg};
+use super::connection::{ConnId, ConnectionHandle};
 use super::gauge::{ConversationGauge, Holding, TurnStamp};
 use super::outbound::QueueError;
 use super::replay::{Compact, Replay};
@@ -225,8 +225,19 @@ struct Attachment {
     conn: ConnectionHandle,
     mode: Mode,
     cursor: Cursor,
-    /// Cancels the replay round serving the cursor.
-    cancel: CancellationToken,
+    /// Cancels the replay round serving the cursor; made when a round
+    /// starts and dropped when the cursor goes live (an idle live
+    /// attachment does not hold one).
+    cancel: Option<CancellationToken>,
+}
+
+impl Attachment {
+    /// Ends the replay round serving the cursor, if one does.
+    fn stop_replay(&self) {
+        if let Some(cancel) = &self.cancel {
+            cancel.cancel();
+        }
+    }
 }
 
 struct Turn {
@@ -269,10 +280,12 @@ pub struct State {
     /// A `Flush` message is on its way to this actor.
     flush_scheduled: bool,
 
-    attachments: HashMap<ConnId, Attachment>,
+    /// Boxed: the map reserves room for several entries at its first
+    /// insert, and most conversations have one attachment or none.
+    attachments: HashMap<ConnId, Box<Attachment>>,
     /// Numbers the attachments' catch-up rounds.
     rounds: Rounds,
-    turn: Option<Turn>,
+    turn: Option<Box<Turn>>,
     queue: VecDeque<QueuedMessage>,
     /// The window of recent `client_msg_id`s (`msg_ids.rs`).
     seen_msg_ids: MsgIdLedger,
@@ -286,7 +299,9 @@ pub struct State {
     grace_timer: RuleTimer,
     stopping: Option<StopReason>,
 
-    pending_creator: Option<PendingCreator>,
+    /// This and the other fields that are rarely set are boxed: the state
+    /// of every idle conversation holds their room otherwise.
+    pending_creator: Option<Box<PendingCreator>>,
     /// Why the first commit failed, for a creator whose attach arrives
     /// after the failure (the commit can fail before the creator's attach
     /// reaches the actor): it hears that, not "stopping".
@@ -300,7 +315,7 @@ pub struct State {
     /// Store failures in a row, for the retry's backoff.
     failed_attempts: u32,
     /// Protocol §11: the interrupted turn the next turn runs again.
-    resume: Option<crate::recovery::InterruptedTurn>,
+    resume: Option<Box<crate::recovery::InterruptedTurn>>,
     /// The turn last written to the gauge (it is written on change only).
     gauge_turn: Option<Arc<str>>,
 }
@@ -315,14 +330,18 @@ impl EventTarget for ActorRef<ConversationMsg> {
 
 impl Actor for Conversation {
     type Msg = ConversationMsg;
-    type State = State;
+    /// Boxed: ractor keeps the state twice in each actor's memory, once in
+    /// the task's future (the slot it was moved out of) and once in the
+    /// processing loop's; a box makes both slots a pointer (about 1 KiB less
+    /// per active conversation).
+    type State = Box<State>;
     type Arguments = ConversationArgs;
 
     async fn pre_start(
         &self,
         myself: ActorRef<ConversationMsg>,
         args: ConversationArgs,
-    ) -> Result<State, ActorProcessingErr> {
+    ) -> Result<Box<State>, ActorProcessingErr> {
         let credits = Arc::new(Semaphore::new(AGENT_EVENT_CREDITS));
         let session = args.agent.open(SessionContext {
             conversation_id: args.id.to_string(),
@@ -401,7 +420,7 @@ impl Actor for Conversation {
                         seq: turn.message_seq,
                         text: turn.text.clone(),
                     });
-                    state.resume = Some(turn);
+                    state.resume = Some(Box::new(turn));
                 }
                 state.queue.extend(queued);
                 let window = state.config.get().conversations.client_msg_id_window;
@@ -418,14 +437,14 @@ impl Actor for Conversation {
         }
         state.flush(&myself);
         state.rearm_timers(&myself);
-        Ok(state)
+        Ok(Box::new(state))
     }
 
     async fn handle(
         &self,
         myself: ActorRef<ConversationMsg>,
         message: ConversationMsg,
-        state: &mut State,
+        state: &mut Box<State>,
     ) -> Result<(), ActorProcessingErr> {
         if state.refuse_read_only(&message) {
             return Ok(());
@@ -547,11 +566,11 @@ impl Actor for Conversation {
     async fn post_stop(
         &self,
         _myself: ActorRef<ConversationMsg>,
-        state: &mut State,
+        state: &mut Box<State>,
     ) -> Result<(), ActorProcessingErr> {
         state.session.close();
         for attachment in state.attachments.values() {
-            attachment.cancel.cancel();
+            attachment.stop_replay();
         }
         state.cancel_timers();
         state.gauge.set_stopped();

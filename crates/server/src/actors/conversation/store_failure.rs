@@ -132,10 +132,7 @@ impl State {
             message,
             None,
         ));
-        let _ = conn.actor.cast(ConnectionMsg::DetachedBy {
-            conversation_id: self.id.clone(),
-            actor: myself.get_id(),
-        });
+        conn.detached_by(&self.id, myself.get_id());
     }
 
     /// Drops every event not committed and answers whoever waited on one.

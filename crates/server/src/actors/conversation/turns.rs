@@ -80,13 +80,13 @@ impl State {
         info!(conversation = %self.id, user = %self.user, turn = %turn_id,
             message_seq = message.seq, queued = self.queue.len(), "turn started");
         m::turn_started();
-        self.turn = Some(Turn {
+        self.turn = Some(Box::new(Turn {
             id: turn_id.clone(),
             started,
             started_at: std::time::SystemTime::now(),
             pending_calls: Vec::new(),
             timeout,
-        });
+        }));
         self.session.start_turn(TurnRequest {
             turn_id,
             text: message.text,

@@ -45,7 +45,12 @@ impl<E: Owned> ActiveConversations<E> {
         if let Some(old) = self.by_id.insert(id.clone(), entry) {
             self.unindex(old.user(), &id);
         }
-        self.by_user.entry(user).or_default().push(id);
+        // Most users have one active conversation: room for one, not the
+        // four a first push reserves.
+        self.by_user
+            .entry(user)
+            .or_insert_with(|| Vec::with_capacity(1))
+            .push(id);
     }
 
     pub(super) fn remove(&mut self, id: &str) -> Option<E> {

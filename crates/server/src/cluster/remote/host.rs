@@ -11,20 +11,20 @@
 //! answered "gone" only once nothing more of it can follow.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use ractor::rpc::CallResult;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{ActorId, ActorRef};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::wire::{Alive, AttachReply, AttachRequest, Command, RouteCommand, StopRequest};
 use super::{Subjects, COUNTER, KEEPALIVE_EVERY, MOVED, ROUTE_TIMEOUT};
-use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
+use crate::actors::connection::{ConnId, ConnectionHandle, DetachNotice};
 use crate::actors::conversation::{Announce, ConversationMsg, DetachCause};
 use crate::actors::outbound::{self, Outbound, OutboundReceiver};
 use crate::actors::supervisor::{list_active, ActivateError, SupervisorMsg, CALL_TIMEOUT};
@@ -190,15 +190,10 @@ impl Host {
         let (outbound, receiver) =
             outbound::channel(limits.max_outbound_frames, limits.slow_consumer_patience);
         let subject = self.subjects.route(&request.socket_node, &request.route);
-        let link = match Actor::spawn(None, RouteLink, outbound.clone()).await {
-            Ok((link, _)) => link,
-            Err(e) => {
-                return AttachReply::Refused {
-                    code: ErrorCode::Internal,
-                    message: e.to_string(),
-                }
-            }
-        };
+        let link = Arc::new(RouteLink {
+            outbound: outbound.clone(),
+            ended: AtomicBool::new(false),
+        });
         tokio::spawn(pump(
             self.client.clone(),
             subject,
@@ -211,7 +206,7 @@ impl Host {
             id: conn,
             user,
             outbound: outbound.clone(),
-            actor: link.clone(),
+            notice: link,
         };
         self.routes().insert(
             request.route.clone(),
@@ -233,7 +228,6 @@ impl Host {
         });
         if attached.is_err() {
             self.routes().remove(&request.route);
-            link.stop(None);
             outbound.close(outbound::close_code::GOING_AWAY, "moved", false);
             return AttachReply::NotHere;
         }
@@ -477,40 +471,25 @@ async fn publish_route(
     }
 }
 
-/// Stands in for the socket's connection actor on the owner: when the
-/// conversation detaches the route, ends it behind the frames already
-/// queued (the `detached` frame among them).
-struct RouteLink;
+/// Stands in for the socket's connection on the owner: when the
+/// conversation lets the route go, ends it behind the frames already queued
+/// (the `detached` frame among them), once.
+struct RouteLink {
+    outbound: Outbound,
+    ended: AtomicBool,
+}
 
-impl Actor for RouteLink {
-    type Msg = ConnectionMsg;
-    type State = Outbound;
-    type Arguments = Outbound;
-
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<ConnectionMsg>,
-        args: Self::Arguments,
-    ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(args)
-    }
-
-    async fn handle(
-        &self,
-        myself: ActorRef<ConnectionMsg>,
-        message: ConnectionMsg,
-        outbound: &mut Outbound,
-    ) -> Result<(), ActorProcessingErr> {
-        if let ConnectionMsg::DetachedBy { .. } = message {
-            let outbound = outbound.clone();
-            // Behind the frames queued before it, whatever room is left.
-            tokio::spawn(async move {
-                let _ = outbound
-                    .send(axum::extract::ws::Utf8Bytes::from_static(""))
-                    .await;
-            });
-            myself.stop(None);
+impl DetachNotice for RouteLink {
+    fn detached_by(&self, _conversation_id: &Arc<str>, _conversation: ActorId) {
+        if self.ended.swap(true, Ordering::AcqRel) {
+            return;
         }
-        Ok(())
+        let outbound = self.outbound.clone();
+        // Behind the frames queued before it, whatever room is left.
+        tokio::spawn(async move {
+            let _ = outbound
+                .send(axum::extract::ws::Utf8Bytes::from_static(""))
+                .await;
+        });
     }
 }

@@ -26,7 +26,7 @@ use super::wire::{
     Alive, AliveRoute, AttachReply, AttachRequest, Command, RouteCommand, StopKind, StopRequest,
 };
 use super::{Subjects, COUNTER, KEEPALIVE_EVERY, MOVED};
-use crate::actors::connection::{ConnId, ConnectionHandle, ConnectionMsg};
+use crate::actors::connection::{ConnId, ConnectionHandle};
 use crate::actors::conversation::{ConversationMsg, DetachCause};
 use crate::actors::outbound::close_code;
 use crate::cluster::lease::Leases;
@@ -335,10 +335,7 @@ impl State {
                 if self.links.get(&conn).is_some_and(|l| l.route == route) {
                     if let Some(link) = self.links.remove(&conn) {
                         if !link.detaching.load(Ordering::Relaxed) {
-                            let _ = link.conn.actor.cast(ConnectionMsg::DetachedBy {
-                                conversation_id: self.args.id.clone(),
-                                actor: myself.get_id(),
-                            });
+                            link.conn.detached_by(&self.args.id, myself.get_id());
                         }
                     }
                 }
@@ -408,10 +405,7 @@ impl State {
                     conversation_id: self.args.id.to_string(),
                     reason,
                 });
-                let _ = link.conn.actor.cast(ConnectionMsg::DetachedBy {
-                    conversation_id: self.args.id.clone(),
-                    actor: myself.get_id(),
-                });
+                link.conn.detached_by(&self.args.id, myself.get_id());
             }
         }
     }
