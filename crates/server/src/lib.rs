@@ -10,7 +10,7 @@
 //! - [`protocol`]: wire types of protocol v1; [`event`]: sequenced events,
 //!   serialized once.
 //! - [`actors`]: the supervisor, one conversation actor per active
-//!   conversation, one connection actor per websocket.
+//!   conversation, one connection per websocket (run by the socket's task).
 //! - [`agent`]: turn runners (the demo agent; the command agent).
 //! - [`store`]: the history store trait and its embedded SQLite default;
 //!   [`recovery`]: start-up recovery after a crash; [`cluster`]: the NATS

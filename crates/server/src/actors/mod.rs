@@ -1,6 +1,7 @@
 //! The actor tree: one [`supervisor::Supervisor`], one
 //! [`conversation::Conversation`] per active conversation (linked children of
-//! the supervisor), and one [`connection::Connection`] per websocket.
+//! the supervisor), and one [`connection::Connection`] per websocket (not
+//! an actor: its socket's task runs it).
 
 pub mod active_view;
 pub mod connection;

@@ -1,5 +1,5 @@
 //! A connection's outbound queue: the bounded channel between everything that
-//! sends to one websocket (its connection actor, conversation actors, replay
+//! sends to one websocket (its connection, conversation actors, replay
 //! tasks) and the task that owns the socket's write half. Its bound is
 //! `limits.max_outbound_frames`: the most unsent frames held for a connection.
 

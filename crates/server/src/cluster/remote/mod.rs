@@ -4,7 +4,7 @@
 //! # Which node serves an attachment
 //! The owner does. The node holding the socket runs a
 //! [`proxy::RemoteConversation`] in place of the conversation actor; the
-//! connection actor cannot tell the difference. The proxy forwards the
+//! connection cannot tell the difference. The proxy forwards the
 //! attach and every command to the owner over core NATS, where
 //! [`host::Host`] turns them into the same `ConversationMsg`s a local
 //! connection sends, with an outbound queue whose frames are published back

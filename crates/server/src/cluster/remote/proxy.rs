@@ -1,5 +1,5 @@
 //! The socket's side of remote attachments: [`RemoteConversation`] stands
-//! in for a conversation owned by another node. Connection actors send it
+//! in for a conversation owned by another node. Connections send it
 //! the `ConversationMsg`s they send a local conversation; it forwards them
 //! to the owner and copies each route's frames into the connection's
 //! outbound queue, checking that none was lost on the way.
