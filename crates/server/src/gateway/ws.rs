@@ -2,6 +2,9 @@
 //! frames and hands each to the socket's [`Connection`], and a writer task
 //! owns the socket's write half and drains the outbound queue.
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +14,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::Response;
 use futures_util::stream::SplitSink;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{SinkExt, Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -24,6 +27,10 @@ use crate::actors::outbound::{self, close_code, CloseRequest, OutboundReceiver};
 use crate::metrics as m;
 use crate::protocol::{ErrorCode, ServerFrame};
 
+/// Frames read ahead while an earlier one is being handled (a `create` or
+/// `attach` waits on the supervisor); beyond this many the socket is left
+/// unread, and TCP holds the client back.
+const READ_AHEAD_FRAMES: usize = 64;
 /// How long a close frame may take to go out.
 const CLOSE_PATIENCE: Duration = Duration::from_secs(2);
 /// The websocket library's read buffer per connection (its default,
@@ -121,8 +128,9 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let limits = app.config.get().limits.clone();
     let (outbound, receiver) =
         outbound::channel(limits.max_outbound_frames, limits.slow_consumer_patience);
-    // Frames are handled one at a time, as they are read: a client that
-    // sends faster than they are handled is held back by TCP.
+    // Frames are handled one at a time, in order; while one is being
+    // handled the socket is read ahead (`ReadAhead`), so that the client's
+    // pings are answered and its close is seen.
     let mut connection = Connection::open(ConnectionArgs {
         id,
         user: Arc::from(caller.user.as_str()),
@@ -132,12 +140,18 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     });
     m::websocket_connections(1.0);
     let writer = tokio::spawn(write_loop(sink, receiver, app.shutdown.clone()));
+    let mut ahead = ReadAhead::default();
     loop {
-        let next = tokio::select! {
-            next = stream.next() => next,
-            _ = outbound.closed() => break,
-            // The writer sends what is queued, then the 1001 close.
-            _ = app.shutdown.cancelled() => break,
+        let next = match ahead.pop() {
+            // A close asked for, or the shutdown, while they were read wins.
+            Some(_) if outbound.is_closed() || app.shutdown.is_cancelled() => break,
+            Some(next) => next,
+            None => tokio::select! {
+                next = stream.next() => next,
+                _ = outbound.closed() => break,
+                // The writer sends what is queued, then the 1001 close.
+                _ = app.shutdown.cancelled() => break,
+            },
         };
         let message = match next {
             Some(Ok(message)) => message,
@@ -162,7 +176,10 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
                 outbound.close(close_code::TOO_BIG, "frame too big", false);
                 break;
             }
-            Message::Text(text) => connection.text(&text).await,
+            Message::Text(text) => {
+                let handling = std::pin::pin!(connection.text(&text));
+                ahead.while_handling(handling, &mut stream).await
+            }
             Message::Binary(_) => connection.binary(),
             Message::Close(_) => break,
             Message::Ping(_) | Message::Pong(_) => continue,
@@ -183,6 +200,49 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let drain = async { while let Some(Ok(_)) = stream.next().await {} };
     let _ = tokio::join!(writer, tokio::time::timeout(CLOSE_PATIENCE, drain));
     m::websocket_connections(-1.0);
+}
+
+/// What reading the socket gave: a frame, a read error, or its end (`None`).
+type Read = Option<Result<Message, axum::Error>>;
+
+/// The socket's frames read while an earlier one was being handled, in
+/// order, to be handled after it.
+#[derive(Default)]
+struct ReadAhead {
+    frames: VecDeque<Read>,
+}
+
+impl ReadAhead {
+    fn pop(&mut self) -> Option<Read> {
+        self.frames.pop_front()
+    }
+
+    /// Runs `handling` to its end, reading `stream` meanwhile (at most
+    /// [`READ_AHEAD_FRAMES`], and nothing after its end or an error). Pings
+    /// and pongs are not kept: the library answers a ping as it reads it.
+    /// `handling` is pinned by the caller, so that the socket's task holds
+    /// it once, not here a second time.
+    async fn while_handling<F, S>(&mut self, mut handling: Pin<&mut F>, stream: &mut S)
+    where
+        F: Future<Output = ()>,
+        S: Stream<Item = Result<Message, axum::Error>> + Unpin,
+    {
+        loop {
+            let room = self.frames.len() < READ_AHEAD_FRAMES && !self.ended();
+            tokio::select! {
+                biased;
+                () = &mut handling => return,
+                next = stream.next(), if room => match next {
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    next => self.frames.push_back(next),
+                },
+            }
+        }
+    }
+
+    fn ended(&self) -> bool {
+        matches!(self.frames.back(), Some(None | Some(Err(_))))
+    }
 }
 
 /// A frame over `limits.max_frame_bytes` (the websocket library reports it
@@ -265,4 +325,71 @@ async fn send_batch(
         }
     }
     sink.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::stream;
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    fn text(t: &'static str) -> Result<Message, axum::Error> {
+        Ok(Message::Text(Utf8Bytes::from_static(t)))
+    }
+
+    fn texts(ahead: &ReadAhead) -> Vec<String> {
+        ahead
+            .frames
+            .iter()
+            .map(|read| match read {
+                Some(Ok(Message::Text(t))) => t.to_string(),
+                Some(Ok(other)) => format!("{other:?}"),
+                Some(Err(e)) => format!("error: {e}"),
+                None => "end".to_owned(),
+            })
+            .collect()
+    }
+
+    /// Reads `socket` ahead while a frame's handling waits, until the
+    /// handling is released (after everything ready has been read).
+    async fn read_while_a_frame_waits<S>(socket: &mut S) -> ReadAhead
+    where
+        S: Stream<Item = Result<Message, axum::Error>> + Unpin,
+    {
+        let mut ahead = ReadAhead::default();
+        let (done, handled) = oneshot::channel::<()>();
+        let handling = std::pin::pin!(async {
+            let _ = handled.await;
+        });
+        let release = async {
+            tokio::task::yield_now().await;
+            let _ = done.send(());
+        };
+        tokio::join!(ahead.while_handling(handling, socket), release);
+        ahead
+    }
+
+    /// While a frame is handled, what follows it is read in order (pings
+    /// answered by the library, not kept), up to the socket's end.
+    #[tokio::test]
+    async fn frames_are_read_in_order_while_one_is_handled() {
+        let mut socket = stream::iter(vec![
+            text("a"),
+            Ok(Message::Ping(Default::default())),
+            text("b"),
+        ]);
+        let mut ahead = read_while_a_frame_waits(&mut socket).await;
+        assert_eq!(texts(&ahead), ["a", "b", "end"]);
+        assert!(ahead.pop().is_some_and(|read| read.is_some()));
+    }
+
+    /// At most `READ_AHEAD_FRAMES` are read ahead; the rest stays unread.
+    #[tokio::test]
+    async fn reading_ahead_stops_at_its_bound() {
+        let mut socket = stream::iter((0..READ_AHEAD_FRAMES + 10).map(|_| text("x")));
+        let ahead = read_while_a_frame_waits(&mut socket).await;
+        assert_eq!(ahead.frames.len(), READ_AHEAD_FRAMES);
+        assert_eq!(socket.count().await, 10);
+    }
 }
