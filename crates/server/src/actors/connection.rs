@@ -160,10 +160,6 @@ impl Connection {
         }
     }
 
-    pub fn id(&self) -> ConnId {
-        self.handle.id
-    }
-
     /// A text frame from the socket.
     pub async fn text(&mut self, text: &str) {
         self.follow_rate_limits();
