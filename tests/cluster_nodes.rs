@@ -1268,6 +1268,39 @@ impl Wire {
     }
 }
 
+/// A conversation created on the first node with one turn run, and a
+/// client of the second node attached to it through a route that `wire`
+/// watches (`frames`: every route frame to the second node).
+struct Routed {
+    wire: Wire,
+    frames: async_nats::Subscriber,
+    on_b: Client,
+    id: String,
+    /// The head the client attached at.
+    head: u64,
+    route: String,
+}
+
+async fn routed_through_the_second_node(cluster: &Cluster) -> Routed {
+    let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let wire = Wire::connect(&cluster.nats).await;
+    let mut frames = wire.subscribe(format!("linger.route.{}.>", b.id)).await;
+    let mut on_a = a.connect(USER).await;
+    let id = created_with_a_turn(&mut on_a).await;
+    let mut on_b = b.connect(USER).await;
+    let (attached, _) = resume(&mut on_b, &id, 0).await;
+    let head = attached["head_seq"].as_u64().expect("a head_seq");
+    let route = next_route(&mut frames, None).await;
+    Routed {
+        wire,
+        frames,
+        on_b,
+        id,
+        head,
+        route,
+    }
+}
+
 /// The route (last subject token) of the next frame an owner sends
 /// through `frames` on a route other than `not`.
 async fn next_route(frames: &mut async_nats::Subscriber, not: Option<&str>) -> String {
@@ -1302,17 +1335,16 @@ async fn assert_detached_moved(client: &mut Client, id: &str, what: &str) {
 async fn a_command_lost_between_nodes_ends_the_attachment_moved() {
     let cluster = Cluster::start(2).await;
     let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
-    let wire = Wire::connect(&cluster.nats).await;
-    let mut frames = wire.subscribe(format!("linger.route.{}.>", b.id)).await;
     let commands = format!("linger.node.{}.cmd", a.id);
     let keepalives = format!("linger.node.{}.alive", a.id);
-
-    let mut on_a = a.connect(USER).await;
-    let id = created_with_a_turn(&mut on_a).await;
-    let mut on_b = b.connect(USER).await;
-    let (attached, _) = resume(&mut on_b, &id, 0).await;
-    let head = attached["head_seq"].as_u64().expect("a head_seq");
-    let first = next_route(&mut frames, None).await;
+    let Routed {
+        wire,
+        mut frames,
+        mut on_b,
+        id,
+        head,
+        route: first,
+    } = routed_through_the_second_node(&cluster).await;
 
     // A command numbered as if the one before it never arrived.
     let never_run = serde_json::json!({
@@ -1365,18 +1397,73 @@ async fn a_command_lost_between_nodes_ends_the_attachment_moved() {
         "the unknown route is answered moved: {notice:?}"
     );
 
-    let (history, _) = b
-        .wait_for_history(&id, "the turn after the loss", RECV_TIMEOUT, |h| {
-            h.iter()
-                .any(|e| kind(e) == "turn_finished" && seq(e) > message_seq)
-        })
+    assert_ran_after_and_not_recorded(b, &id, message_seq, "never run").await;
+}
+
+/// §10.3: a request whose command the owner dropped (numbered out of
+/// order, as after a loss) is answered, `not_attached`, by the socket's
+/// node before `detached moved`, instead of being left unanswered; it is
+/// in no history, and the client's next attach and message go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_between_nodes_is_answered_not_attached() {
+    let cluster = Cluster::start(2).await;
+    let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let Routed {
+        wire,
+        mut on_b,
+        id,
+        head,
+        route,
+        ..
+    } = routed_through_the_second_node(&cluster).await;
+
+    // Command 1 of the route from elsewhere: the owner runs it, and the
+    // proxy's own first command, numbered 1 too, is out of order there.
+    let injected = serde_json::json!({
+        "type": "message", "text": "injected", "client_msg_id": null, "req": null
+    });
+    wire.publish(
+        format!("linger.node.{}.cmd", a.id),
+        serde_json::json!({"route": route, "n": 1, "command": injected}),
+    )
+    .await;
+    on_b.recv_until(|f| is_event(f, "user_message") && f["data"]["text"] == "injected")
+        .await;
+
+    let refused = on_b
+        .request(serde_json::json!({"type": "message", "conversation_id": id, "text": "dropped"}))
+        .await;
+    assert_eq!(refused["type"], "error", "{refused}");
+    assert_eq!(refused["code"], "not_attached", "{refused}");
+    assert_eq!(refused["conversation_id"], id, "{refused}");
+    assert_detached_moved(&mut on_b, &id, "a command out of order").await;
+
+    resume(&mut on_b, &id, head).await;
+    let ack = on_b.send_message(&id, "after").await;
+    let message_seq = ack["seq"].as_u64().expect("a seq");
+    assert_ran_after_and_not_recorded(b, &id, message_seq, "dropped").await;
+}
+
+/// Waits for the turn of the message at `message_seq` to finish; the
+/// history is then contiguous and holds no message `text`.
+async fn assert_ran_after_and_not_recorded(node: &Node, id: &str, message_seq: u64, text: &str) {
+    let (history, _) = node
+        .wait_for_history(
+            id,
+            "the turn of the message sent after",
+            RECV_TIMEOUT,
+            |h| {
+                h.iter()
+                    .any(|e| kind(e) == "turn_finished" && seq(e) > message_seq)
+            },
+        )
         .await;
     assert_contiguous(&history, 1);
     assert!(
         !history
             .iter()
-            .any(|e| kind(e) == "user_message" && e["data"]["text"] == "never run"),
-        "a command after a gap ran: {history:#?}"
+            .any(|e| kind(e) == "user_message" && e["data"]["text"] == text),
+        "{text:?} was recorded: {history:#?}"
     );
 }
 

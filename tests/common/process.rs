@@ -284,6 +284,15 @@ pub fn serve_refused_with(store: &Path, listen: &str, extra_toml: &str) -> (Exit
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
+        // A failed test shows what each server it ran said.
+        if std::thread::panicking() {
+            eprintln!(
+                "--- log of the server on {} (pid {}) ---\n{}",
+                self.addr,
+                self.pid,
+                self.log.lock().map(|l| l.join("\n")).unwrap_or_default()
+            );
+        }
         if self.exited.is_none() && self.exit.try_recv().is_err() {
             let _ = Command::new("kill")
                 .args(["-KILL", &self.pid.to_string()])

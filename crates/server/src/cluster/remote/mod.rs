@@ -53,6 +53,12 @@
 //!   attaches again and finds in the replay what was recorded (a
 //!   `message` resent with its `client_msg_id` is not recorded twice).
 //!   Commands after a gap are dropped, never run out of order.
+//! - **A request whose answer never comes** (its command lost or dropped,
+//!   the route ended before the owner answered): the proxy notes each
+//!   request it sends and strikes it off when the owner's `ack` or
+//!   `error` passes ([`owed`]); when the route ends, each one still owed
+//!   is answered `not_attached` before the client hears why, and one sent
+//!   after is answered by the proxy. A client never waits forever.
 //! - **A route end lost on the way**: `alive` names the route as
 //!   attached, the owner no longer has it and answers on the route's
 //!   subject with a [`MOVED`] notice: `detached moved` again.
@@ -61,6 +67,7 @@
 
 pub mod host;
 pub mod listing;
+pub mod owed;
 pub mod proxy;
 pub mod wire;
 

@@ -22,6 +22,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info};
 
 use super::host::CLOSE;
+use super::owed::{unanswered, Owed};
 use super::wire::{
     Alive, AliveRoute, AttachReply, AttachRequest, Command, RouteCommand, StopKind, StopRequest,
 };
@@ -29,6 +30,7 @@ use super::{Subjects, COUNTER, KEEPALIVE_EVERY, MOVED};
 use crate::actors::connection::{ConnId, ConnectionHandle};
 use crate::actors::conversation::{ConversationMsg, DetachCause};
 use crate::actors::outbound::close_code;
+use crate::actors::outbound::Outbound;
 use crate::cluster::lease::Leases;
 use crate::protocol::{DetachReason, ErrorCode, Mode, ReqId, ServerFrame};
 
@@ -48,6 +50,9 @@ pub enum ProxyEvent {
     Tick,
     /// Who holds the lease now (`None`: nobody).
     Holder(Option<String>),
+    /// Requests a route's connection sent before it stopped routing to
+    /// this proxy have all been answered: it is forgotten.
+    Forget { conn: ConnId },
 }
 
 pub struct ProxyArgs {
@@ -73,12 +78,23 @@ struct Link {
     /// Shared with the route's task: the end of a route the client left
     /// closes nothing.
     detaching: Arc<AtomicBool>,
+    /// The requests sent that the owner has not answered yet; shared with
+    /// the route's task, which answers them if the route ends first.
+    owed: Arc<Owed>,
     task: JoinHandle<()>,
 }
 
 pub struct State {
     args: ProxyArgs,
     links: HashMap<ConnId, Link>,
+    /// Connections whose route ended, until the requests they sent before
+    /// they stopped routing here have been answered (`not_attached`): as
+    /// the conversation actor's `departed`.
+    departed: HashMap<ConnId, Outbound>,
+    /// Every client was let go (the owner lost the conversation, or this
+    /// node stops): what is already in the mailbox is answered, then the
+    /// proxy stops.
+    draining: bool,
     to_owner: ToOwner,
     ticks: u64,
 }
@@ -143,6 +159,8 @@ impl Actor for RemoteConversation {
         Ok(State {
             args,
             links: HashMap::new(),
+            departed: HashMap::new(),
+            draining: false,
             to_owner,
             ticks: 0,
         })
@@ -213,7 +231,7 @@ impl Actor for RemoteConversation {
             // The rest are a local conversation's own messages.
             _ => {}
         }
-        if state.links.is_empty() {
+        if state.links.is_empty() && state.departed.is_empty() {
             myself.stop(None);
         }
         Ok(())
@@ -241,8 +259,25 @@ impl State {
         compact: bool,
         req: Option<ReqId>,
     ) {
+        if self.draining {
+            // This proxy is done with the conversation: attach again, to
+            // whichever node serves it now.
+            conn.outbound.reply(&ServerFrame::Detached {
+                req,
+                conversation_id: self.args.id.to_string(),
+                reason: DetachReason::Moved,
+            });
+            conn.detached_by(&self.args.id, myself.get_id());
+            return;
+        }
+        self.departed.remove(&conn.id);
         if let Some(mut old) = self.links.remove(&conn.id) {
             old.task.abort();
+            for req in old.owed.end() {
+                old.conn
+                    .outbound
+                    .reply(&unanswered(Some(req), &self.args.id));
+            }
             self.to_owner.command(
                 &mut old,
                 Command::Detach {
@@ -265,6 +300,7 @@ impl State {
             req,
         };
         let detaching = Arc::new(AtomicBool::new(false));
+        let owed = Arc::new(Owed::default());
         let task = tokio::spawn(
             RouteTask {
                 client: self.args.client.clone(),
@@ -276,6 +312,7 @@ impl State {
                 conn: conn.clone(),
                 proxy: myself.clone(),
                 detaching: detaching.clone(),
+                owed: owed.clone(),
             }
             .run(),
         );
@@ -287,6 +324,7 @@ impl State {
                 waiting: Some(Vec::new()),
                 sent: 0,
                 detaching,
+                owed,
                 task,
             },
         );
@@ -294,6 +332,11 @@ impl State {
 
     fn command(&mut self, conn: ConnId, command: Command) {
         let Some(link) = self.links.get_mut(&conn) else {
+            if let (Some(outbound), Some(req)) =
+                (self.departed.get(&conn), command.recording_request())
+            {
+                outbound.reply(&unanswered(req.cloned(), &self.args.id));
+            }
             return;
         };
         if link.detaching.load(Ordering::Relaxed) {
@@ -310,6 +353,14 @@ impl State {
                     "NATS cannot be reached from this node: nothing was recorded; retry",
                     Some(self.args.id.to_string()),
                 ));
+                return;
+            }
+            if !link.owed.expect(req) {
+                // The route ended (its task told the client): nothing is
+                // sent on it any more.
+                link.conn
+                    .outbound
+                    .reply(&unanswered(req.cloned(), &self.args.id));
                 return;
             }
         }
@@ -337,6 +388,10 @@ impl State {
                         if !link.detaching.load(Ordering::Relaxed) {
                             link.conn.detached_by(&self.args.id, myself.get_id());
                         }
+                        // Behind whatever the connection sent before it
+                        // stopped routing here.
+                        self.departed.insert(conn, link.conn.outbound);
+                        let _ = myself.cast(ConversationMsg::Proxy(ProxyEvent::Forget { conn }));
                     }
                 }
             }
@@ -345,7 +400,7 @@ impl State {
                 let routes: Vec<AliveRoute> = self
                     .links
                     .values()
-                    .filter(|l| !l.detaching.load(Ordering::Relaxed))
+                    .filter(|l| !l.detaching.load(Ordering::Relaxed) && !l.task.is_finished())
                     .map(|l| AliveRoute {
                         route: l.route.clone(),
                         attached: l.waiting.is_none(),
@@ -377,6 +432,9 @@ impl State {
                     });
                 }
             }
+            ProxyEvent::Forget { conn } => {
+                self.departed.remove(&conn);
+            }
             ProxyEvent::Holder(holder) => {
                 if holder.as_deref() != Some(self.args.owner.as_str()) {
                     info!(conversation = %self.args.id, owner = %self.args.owner,
@@ -388,11 +446,18 @@ impl State {
         }
     }
 
-    /// Tells every client here that it is detached, and forgets them.
+    /// Tells every client here that it is detached, and stops once the
+    /// requests already sent to this proxy are answered.
     fn detach_all(&mut self, myself: &ActorRef<ConversationMsg>, reason: DetachReason) {
-        let links: Vec<Link> = self.links.drain().map(|(_, l)| l).collect();
-        for mut link in links {
+        let links: Vec<(ConnId, Link)> = self.links.drain().collect();
+        for (conn, mut link) in links {
             link.task.abort();
+            for req in link.owed.end() {
+                link.conn
+                    .outbound
+                    .reply(&unanswered(Some(req), &self.args.id));
+            }
+            self.departed.insert(conn, link.conn.outbound.clone());
             if !link.detaching.load(Ordering::Relaxed) {
                 self.to_owner.command(
                     &mut link,
@@ -407,6 +472,10 @@ impl State {
                 });
                 link.conn.detached_by(&self.args.id, myself.get_id());
             }
+        }
+        self.draining = true;
+        if myself.drain().is_err() {
+            myself.stop(None);
         }
     }
 }
@@ -423,12 +492,14 @@ struct RouteTask {
     conn: ConnectionHandle,
     proxy: ActorRef<ConversationMsg>,
     detaching: Arc<AtomicBool>,
+    owed: Arc<Owed>,
 }
 
 impl RouteTask {
     async fn run(self) {
         let route = self.request.route.clone();
         self.attach_and_copy().await;
+        self.settle();
         let _ = self
             .proxy
             .cast(ConversationMsg::Proxy(ProxyEvent::RouteEnded {
@@ -437,7 +508,19 @@ impl RouteTask {
             }));
     }
 
+    /// Ends the route for the requests sent on it: those the owner has not
+    /// answered are answered here, before whatever tells the client the
+    /// attachment ended; later ones are answered by the proxy.
+    fn settle(&self) {
+        for req in self.owed.end() {
+            self.conn
+                .outbound
+                .reply(&unanswered(Some(req), &self.request.conversation));
+        }
+    }
+
     fn refuse(&self, code: ErrorCode, message: String) {
+        self.settle();
         self.conn.outbound.reply(&ServerFrame::error(
             self.request.req.clone(),
             code,
@@ -448,6 +531,7 @@ impl RouteTask {
 
     /// `detached moved`: attach again, on any node.
     fn moved(&self, req: Option<ReqId>) {
+        self.settle();
         self.conn.outbound.reply(&ServerFrame::Detached {
             req,
             conversation_id: self.request.conversation.clone(),
@@ -554,6 +638,7 @@ impl RouteTask {
                 // reach the client, so it resumes from what it has.
                 info!(conversation = %request.conversation, route = %request.route, expected,
                     got = ?n, "frames lost between nodes: closing the socket as a slow consumer");
+                self.settle();
                 self.conn
                     .outbound
                     .close(close_code::SLOW_CONSUMER, "slow consumer", false);
@@ -573,6 +658,7 @@ impl RouteTask {
                     } else {
                         "closed by the conversation's node"
                     };
+                    self.settle();
                     self.conn.outbound.close(code, reason, true);
                 }
                 return;
@@ -580,6 +666,7 @@ impl RouteTask {
             let Ok(frame) = Utf8Bytes::try_from(message.payload) else {
                 return;
             };
+            self.owed.answered_in(frame.as_str());
             if self.conn.outbound.send(frame).await.is_err() {
                 return;
             }
