@@ -10,7 +10,6 @@ impl State {
     pub(super) fn append(&mut self, data: EventData) -> u64 {
         let record = self.log.append(&data);
         self.last_activity = Instant::now();
-        self.last_activity_at = record.ts().to_owned();
         record.seq
     }
 
@@ -24,6 +23,11 @@ impl State {
         } else {
             self.status()
         };
+        // The last event's time: the conversation's last activity.
+        let last_activity_at = write
+            .events
+            .last()
+            .map_or_else(now_rfc3339, |event| event.ts().to_owned());
         let batch = AppendBatch {
             conversation_id: self.id.clone(),
             create: write.create,
@@ -31,7 +35,7 @@ impl State {
             state: ConversationState {
                 status,
                 head_seq: write.upto,
-                last_activity_at: self.last_activity_at.clone(),
+                last_activity_at,
                 current_turn_id: self.turn.as_ref().map(|t| t.id.to_string()),
                 last_turn_message_seq: self.last_turn_message_seq,
             },

@@ -57,9 +57,9 @@ impl State {
             return;
         };
         let detach_reason = reason.detach_reason();
-        for (conn_id, attachment) in self.attachments.drain() {
+        for (_, attachment) in self.attachments.drain() {
             attachment.stop_replay();
-            self.departed.insert(conn_id, attachment.conn.clone());
+            self.departed.push(attachment.conn.clone());
             attachment.conn.outbound.reply(&ServerFrame::Detached {
                 req: None,
                 conversation_id: self.id.to_string(),

@@ -291,7 +291,6 @@ pub struct State {
     seen_msg_ids: MsgIdLedger,
     last_turn_message_seq: u64,
     last_activity: Instant,
-    last_activity_at: String,
 
     /// The rule timers. The grace timer keeps since when nobody watches
     /// the turn, to re-arm it for what is left when `detach_grace` changes.
@@ -305,13 +304,15 @@ pub struct State {
     /// Why the first commit failed, for a creator whose attach arrives
     /// after the failure (the commit can fail before the creator's attach
     /// reaches the actor): it hears that, not "stopping".
-    creation_failed: Option<String>,
+    creation_failed: Option<Box<str>>,
     /// Connections detached by the stop, kept so that requests still in
     /// the mailbox when it stops are answered, not dropped.
-    departed: HashMap<ConnId, ConnectionHandle>,
+    /// A list, not a map: filled once, at the stop, and every
+    /// conversation's state holds one.
+    departed: Vec<ConnectionHandle>,
     /// Set while the store cannot write: what failed. Requests that need an
     /// append are refused with `store_unavailable` until a retry works.
-    store_failure: Option<String>,
+    store_failure: Option<Box<str>>,
     /// Store failures in a row, for the retry's backoff.
     failed_attempts: u32,
     /// Protocol §11: the interrupted turn the next turn runs again.
@@ -369,13 +370,12 @@ impl Actor for Conversation {
             seen_msg_ids: MsgIdLedger::default(),
             last_turn_message_seq: 0,
             last_activity: Instant::now(),
-            last_activity_at: now_rfc3339(),
             idle_timer: RuleTimer::default(),
             grace_timer: RuleTimer::default(),
             stopping: None,
             pending_creator: None,
             creation_failed: None,
-            departed: HashMap::new(),
+            departed: Vec::new(),
             store_failure: None,
             failed_attempts: 0,
             resume: None,
@@ -391,7 +391,7 @@ impl Actor for Conversation {
                 state.log.create(NewConversation {
                     user: args.user.to_string(),
                     title: title.clone(),
-                    created_at: state.last_activity_at.clone(),
+                    created_at: now_rfc3339(),
                     close_delay,
                 });
                 state.append(EventData::ConversationCreated {
@@ -633,7 +633,7 @@ impl State {
     fn reply_to(&self, conn: ConnId, frame: &ServerFrame) {
         if let Some(attachment) = self.attachments.get(&conn) {
             attachment.conn.outbound.reply(frame);
-        } else if let Some(departed) = self.departed.get(&conn) {
+        } else if let Some(departed) = self.departed.iter().find(|d| d.id == conn) {
             departed.outbound.reply(frame);
         }
     }

@@ -9,9 +9,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-/// The most recent ids, oldest first.
+/// The most recent ids, oldest first. Boxed and made at the first id:
+/// most conversations' clients send none, and every conversation's state
+/// holds a ledger.
 #[derive(Debug, Default)]
-pub(super) struct MsgIdLedger {
+pub(super) struct MsgIdLedger(Option<Box<Ids>>);
+
+#[derive(Debug, Default)]
+struct Ids {
     by_id: HashMap<Arc<str>, u64>,
     /// The same ids in seq order, to forget the oldest first.
     order: VecDeque<(Arc<str>, u64)>,
@@ -30,7 +35,7 @@ impl MsgIdLedger {
 
     /// The seq of the message that used `id`, if it is in the window.
     pub(super) fn get(&self, id: &str) -> Option<u64> {
-        self.by_id.get(id).copied()
+        self.0.as_ref()?.by_id.get(id).copied()
     }
 
     /// Records `id` as the message at `seq` (newer than every id held) and
@@ -38,25 +43,26 @@ impl MsgIdLedger {
     /// message). Returns the window's new first seq when ids were
     /// forgotten: the store forgets those before it.
     pub(super) fn insert(&mut self, id: String, seq: u64, window: usize) -> Option<u64> {
+        let ids = self.0.get_or_insert_default();
         let id: Arc<str> = Arc::from(id);
-        self.by_id.insert(id.clone(), seq);
-        self.order.push_back((id, seq));
+        ids.by_id.insert(id.clone(), seq);
+        ids.order.push_back((id, seq));
         let mut forgot = false;
-        while self.order.len() > window.max(1) {
-            if let Some((old, old_seq)) = self.order.pop_front() {
+        while ids.order.len() > window.max(1) {
+            if let Some((old, old_seq)) = ids.order.pop_front() {
                 // Unless the id came back since, with a newer message.
-                if self.by_id.get(&old) == Some(&old_seq) {
-                    self.by_id.remove(&old);
+                if ids.by_id.get(&old) == Some(&old_seq) {
+                    ids.by_id.remove(&old);
                 }
                 forgot = true;
             }
         }
-        forgot.then(|| self.order.front().map_or(seq, |(_, first)| *first))
+        forgot.then(|| ids.order.front().map_or(seq, |(_, first)| *first))
     }
 
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
-        self.order.len()
+        self.0.as_ref().map_or(0, |ids| ids.order.len())
     }
 }
 

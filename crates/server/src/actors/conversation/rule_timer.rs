@@ -10,7 +10,8 @@ use tokio::time::Instant;
 #[derive(Debug, Default)]
 pub(super) struct RuleTimer {
     generations: u64,
-    armed: Option<Armed>,
+    /// Boxed: disarmed most of the time, and every conversation has two.
+    armed: Option<Box<Armed>>,
 }
 
 #[derive(Debug)]
@@ -33,11 +34,11 @@ impl RuleTimer {
         self.disarm();
         self.generations += 1;
         let generation = self.generations;
-        self.armed = Some(Armed {
+        self.armed = Some(Box::new(Armed {
             generation,
             abort: schedule(generation),
             since,
-        });
+        }));
     }
 
     /// Disarms the timer; returns since when its condition held, if armed.

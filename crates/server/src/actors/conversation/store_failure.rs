@@ -75,7 +75,7 @@ impl State {
                 Some(self.id.to_string()),
             ));
         }
-        self.store_failure = Some(error.to_string());
+        self.store_failure = Some(error.to_string().into());
         self.schedule_store_retry(myself);
         false
     }
@@ -106,9 +106,9 @@ impl State {
     /// conversation could not be created.
     fn refuse_creator(&mut self, myself: &ActorRef<ConversationMsg>, message: &str) {
         if self.log.committed() == 0 {
-            self.creation_failed = Some(format!(
-                "the conversation could not be created: {message}; retry later"
-            ));
+            self.creation_failed = Some(
+                format!("the conversation could not be created: {message}; retry later").into(),
+            );
         }
         if let Some(creator) = self.pending_creator.take() {
             self.refuse_creator_now(myself, creator.conn, creator.req);
@@ -124,8 +124,8 @@ impl State {
     ) {
         let message = self
             .creation_failed
-            .clone()
-            .unwrap_or_else(|| "the conversation could not be created; retry later".into());
+            .as_deref()
+            .unwrap_or("the conversation could not be created; retry later");
         conn.outbound.reply(&ServerFrame::error(
             req,
             ErrorCode::StoreUnavailable,

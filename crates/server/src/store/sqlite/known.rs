@@ -10,29 +10,32 @@
 use super::*;
 
 /// Conversations remembered at most; beyond, the memory is started over
-/// (about 200 bytes each, so a few MB at most).
+/// (about 100 bytes each, table included, so a few MB at most).
 const KNOWN_MAX: usize = 16_384;
 
-/// The conversations row's fields that only the row records.
+/// The conversations row's fields that only the row records, held
+/// compactly: one is remembered for every conversation written lately.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct RowFields {
-    pub(super) status: String,
-    pub(super) current_turn_id: Option<String>,
+    /// `None`: the row holds a status this version does not know (it is
+    /// rewritten at the next append).
+    pub(super) status: Option<Status>,
+    pub(super) current_turn_id: Option<Box<str>>,
     pub(super) last_turn_message_seq: u64,
 }
 
 impl RowFields {
     pub(super) fn of(state: &ConversationState) -> RowFields {
         RowFields {
-            status: state.status.as_str().to_owned(),
-            current_turn_id: state.current_turn_id.clone(),
+            status: Some(state.status),
+            current_turn_id: state.current_turn_id.as_deref().map(Box::from),
             last_turn_message_seq: state.last_turn_message_seq,
         }
     }
 
     pub(super) fn matches(&self, state: &ConversationState) -> bool {
-        self.status == state.status.as_str()
-            && self.current_turn_id == state.current_turn_id
+        self.status == Some(state.status)
+            && self.current_turn_id.as_deref() == state.current_turn_id.as_deref()
             && self.last_turn_message_seq == state.last_turn_message_seq
     }
 }
@@ -53,7 +56,7 @@ pub(super) struct Settled<'g> {
 
 #[derive(Default)]
 pub(super) struct KnownRows {
-    rows: HashMap<String, Known>,
+    rows: HashMap<Box<str>, Known>,
 }
 
 impl KnownRows {
@@ -82,7 +85,7 @@ impl KnownRows {
                     if self.rows.len() >= KNOWN_MAX {
                         self.rows.clear();
                     }
-                    self.rows.insert(id.to_owned(), Known { head, fields });
+                    self.rows.insert(id.into(), Known { head, fields });
                 }
                 // Unchanged fields come from a remembered entry, so this
                 // does not happen; forgetting is always safe.
@@ -98,7 +101,7 @@ mod tests {
 
     fn fields(status: &str) -> RowFields {
         RowFields {
-            status: status.to_owned(),
+            status: Status::parse(status),
             current_turn_id: None,
             last_turn_message_seq: 0,
         }

@@ -475,8 +475,8 @@ fn read_row(conn: &Connection, id: &str) -> Result<(u64, RowFields), StoreError>
         Ok((
             row.get::<_, u64>(0)?,
             RowFields {
-                status: row.get(1)?,
-                current_turn_id: row.get(2)?,
+                status: Status::parse(&row.get::<_, String>(1)?),
+                current_turn_id: row.get::<_, Option<String>>(2)?.map(Box::from),
                 last_turn_message_seq: row.get(3)?,
             },
         ))
