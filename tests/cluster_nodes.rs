@@ -1402,8 +1402,9 @@ async fn a_command_lost_between_nodes_ends_the_attachment_moved() {
 
 /// §10.3: a request whose command the owner dropped (numbered out of
 /// order, as after a loss) is answered, `not_attached`, by the socket's
-/// node before `detached moved`, instead of being left unanswered; it is
-/// in no history, and the client's next attach and message go through.
+/// node before `detached moved`, instead of being left unanswered, and so
+/// is one sent right after; neither is in the history, and the client's
+/// next attach and message go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_dropped_between_nodes_is_answered_not_attached() {
     let cluster = Cluster::start(2).await;
@@ -1437,6 +1438,12 @@ async fn a_request_dropped_between_nodes_is_answered_not_attached() {
     assert_eq!(refused["code"], "not_attached", "{refused}");
     assert_eq!(refused["conversation_id"], id, "{refused}");
     assert_detached_moved(&mut on_b, &id, "a command out of order").await;
+    // Sent at once after it, before the socket's node may have dropped
+    // the route: answered too, by that node.
+    let after_moved = on_b
+        .request(serde_json::json!({"type": "message", "conversation_id": id, "text": "dropped"}))
+        .await;
+    assert_eq!(after_moved["code"], "not_attached", "{after_moved}");
 
     resume(&mut on_b, &id, head).await;
     let ack = on_b.send_message(&id, "after").await;

