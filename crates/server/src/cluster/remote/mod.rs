@@ -58,7 +58,9 @@
 //!   request it sends and strikes it off when the owner's `ack` or
 //!   `error` passes ([`owed`]); when the route ends, each one still owed
 //!   is answered `not_attached` before the client hears why, and one sent
-//!   after is answered by the proxy. A client never waits forever.
+//!   after is answered by the proxy. A proxy that is done (no client left,
+//!   the owner gone) drains rather than stops, so an attach already in its
+//!   mailbox is answered `detached moved`. A client never waits forever.
 //! - **A route end lost on the way**: `alive` names the route as
 //!   attached, the owner no longer has it and answers on the route's
 //!   subject with a [`MOVED`] notice: `detached moved` again.

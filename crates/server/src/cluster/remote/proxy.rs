@@ -91,9 +91,9 @@ pub struct State {
     /// they stopped routing here have been answered (`not_attached`): as
     /// the conversation actor's `departed`.
     departed: HashMap<ConnId, Outbound>,
-    /// Every client was let go (the owner lost the conversation, or this
-    /// node stops): what is already in the mailbox is answered, then the
-    /// proxy stops.
+    /// The proxy is done (no client left, the owner lost the conversation,
+    /// or this node stops): what is already in the mailbox is answered,
+    /// then it stops.
     draining: bool,
     to_owner: ToOwner,
     ticks: u64,
@@ -232,7 +232,9 @@ impl Actor for RemoteConversation {
             _ => {}
         }
         if state.links.is_empty() && state.departed.is_empty() {
-            myself.stop(None);
+            // Drained, not stopped: an attach already in the mailbox is
+            // answered (`detached moved`: attach again) rather than dropped.
+            state.drain(&myself);
         }
         Ok(())
     }
@@ -472,6 +474,15 @@ impl State {
                 });
                 link.conn.detached_by(&self.args.id, myself.get_id());
             }
+        }
+        self.drain(myself);
+    }
+
+    /// Stops once what is already in the mailbox is handled; attaches
+    /// among it are answered `detached moved`.
+    fn drain(&mut self, myself: &ActorRef<ConversationMsg>) {
+        if self.draining {
+            return;
         }
         self.draining = true;
         if myself.drain().is_err() {
