@@ -13,6 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use serde::Deserialize;
 
+use crate::actors::outbound::Outbound;
 use crate::protocol::{ErrorCode, ReqId, ServerFrame};
 
 /// At most this many unanswered requests are kept per route; beyond it the
@@ -86,6 +87,14 @@ impl Owed {
         let mut state = self.lock();
         state.ended = true;
         state.requests.drain(..).collect()
+    }
+
+    /// Ends the route and answers each request the owner never answered
+    /// on `outbound`, [`unanswered`].
+    pub fn end_answering(&self, outbound: &Outbound, conversation_id: &str) {
+        for req in self.end() {
+            outbound.reply(&unanswered(Some(req), conversation_id));
+        }
     }
 }
 

@@ -275,11 +275,7 @@ impl State {
         self.departed.remove(&conn.id);
         if let Some(mut old) = self.links.remove(&conn.id) {
             old.task.abort();
-            for req in old.owed.end() {
-                old.conn
-                    .outbound
-                    .reply(&unanswered(Some(req), &self.args.id));
-            }
+            old.owed.end_answering(&old.conn.outbound, &self.args.id);
             self.to_owner.command(
                 &mut old,
                 Command::Detach {
@@ -454,11 +450,7 @@ impl State {
         let links: Vec<(ConnId, Link)> = self.links.drain().collect();
         for (conn, mut link) in links {
             link.task.abort();
-            for req in link.owed.end() {
-                link.conn
-                    .outbound
-                    .reply(&unanswered(Some(req), &self.args.id));
-            }
+            link.owed.end_answering(&link.conn.outbound, &self.args.id);
             self.departed.insert(conn, link.conn.outbound.clone());
             if !link.detaching.load(Ordering::Relaxed) {
                 self.to_owner.command(
@@ -523,11 +515,8 @@ impl RouteTask {
     /// answered are answered here, before whatever tells the client the
     /// attachment ended; later ones are answered by the proxy.
     fn settle(&self) {
-        for req in self.owed.end() {
-            self.conn
-                .outbound
-                .reply(&unanswered(Some(req), &self.request.conversation));
-        }
+        self.owed
+            .end_answering(&self.conn.outbound, &self.request.conversation);
     }
 
     fn refuse(&self, code: ErrorCode, message: String) {
