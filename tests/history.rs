@@ -336,7 +336,7 @@ async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_histo
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
     let mut stmt = conn
         .prepare("SELECT client_msg_id, seq FROM client_msgs ORDER BY seq")
         .unwrap();
@@ -355,26 +355,43 @@ async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_histo
 const FORMAT_1: &str = "tests/fixtures/store-format-1/linger.db";
 const FORMAT_1_ID: &str = "c_01M8T2HCN1T2RG919EDJTX596W";
 
+/// The same, written by the release before the journal (store format 2,
+/// commit 09aba78), by its own binary and CLI.
+const FORMAT_2: &str = "tests/fixtures/store-format-2/linger.db";
+const FORMAT_2_ID: &str = "c_01M8VNPEG8WPFTX3Y148S6WAXF";
+
 #[tokio::test]
 async fn a_store_of_format_1_is_migrated_to_event_runs_and_keeps_its_history() {
+    migrated_store_keeps_its_history(FORMAT_1, FORMAT_1_ID, "written by format 1").await;
+}
+
+#[tokio::test]
+async fn a_store_of_format_2_is_migrated_to_the_journal_and_keeps_its_history() {
+    migrated_store_keeps_its_history(FORMAT_2, FORMAT_2_ID, "written by format 2").await;
+}
+
+/// A copy of `fixture` (conversation `id`, head 317, as described above)
+/// opened by this release: its summary, its whole history replayed in
+/// order, a new turn after it, and the store at this release's format.
+async fn migrated_store_keeps_its_history(fixture: &str, id: &str, title: &str) {
     let store = tempfile::tempdir().unwrap();
     let db = store.path().join("linger.db");
-    std::fs::copy(FORMAT_1, &db).unwrap();
+    std::fs::copy(fixture, &db).unwrap();
     let path = store.path().to_path_buf();
     let server = TestServer::start_with(move |c| c.store.path = path).await;
     let (status, summary) = server
-        .get(&format!("/v1/conversations/{FORMAT_1_ID}"), Some("alice"))
+        .get(&format!("/v1/conversations/{id}"), Some("alice"))
         .await;
     assert_eq!(
         (status, &summary["head_seq"], &summary["title"]),
-        (200, &json!(317), &json!("written by format 1")),
+        (200, &json!(317), &json!(title)),
         "{summary}"
     );
     // The whole history replays from the store, in order, across runs.
     let mut client = server.connect("alice").await;
-    let attached = client.attach(FORMAT_1_ID, 0).await;
+    let attached = client.attach(id, 0).await;
     assert_eq!(attached["replay_from"], 1, "{attached}");
-    let events = client.events(FORMAT_1_ID, 318).await;
+    let events = client.events(id, 318).await;
     assert_contiguous(&events, 1);
     let streamed: String = events
         .iter()
@@ -385,18 +402,18 @@ async fn a_store_of_format_1_is_migrated_to_event_runs_and_keeps_its_history() {
     assert!(is_event(&events[316], "agent_stopped"), "{}", events[316]);
     assert!(is_event(&events[317], "agent_started"), "{}", events[317]);
     // It goes on, and what it adds is read back after what was migrated.
-    client.send_message(FORMAT_1_ID, "again").await;
-    let turn = client.events_until_turn_finished(FORMAT_1_ID).await;
+    client.send_message(id, "again").await;
+    let turn = client.events_until_turn_finished(id).await;
     assert_contiguous(&turn, 319);
     let mut reader = server.connect("alice").await;
-    reader.attach(FORMAT_1_ID, 310).await;
-    let tail = reader.events(FORMAT_1_ID, turn.len() + 8).await;
+    reader.attach(id, 310).await;
+    let tail = reader.events(id, turn.len() + 8).await;
     assert_contiguous(&tail, 311);
     let conn = rusqlite::Connection::open(&db).unwrap();
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
     server.shutdown().await;
 }
 

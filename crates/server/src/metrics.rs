@@ -112,6 +112,13 @@ pub fn store_wal_restart(duration: Duration) {
     histogram!("linger_store_wal_restart_seconds").record(duration.as_secs_f64());
 }
 
+/// The store's writer folded journal runs into the indexed runs (appends
+/// wait meanwhile).
+pub fn store_fold(duration: Duration, events: usize) {
+    histogram!("linger_store_fold_seconds").record(duration.as_secs_f64());
+    histogram!("linger_store_fold_events").record(events as f64);
+}
+
 /// 1 while the store can write, 0 while writes fail.
 pub fn store_available(available: bool) {
     gauge!("linger_store_available").set(if available { 1.0 } else { 0.0 });

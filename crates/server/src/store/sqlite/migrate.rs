@@ -12,6 +12,8 @@
 //!   `event_runs` (see `runs.rs`); `events` and its `ts` index are gone; the
 //!   conversations row is written only when a field only it records
 //!   changes (see [`META_SELECT`]).
+//! - 3: commits write their runs into `event_journal`, which the writer
+//!   folds into `event_runs` (see `journal.rs`).
 //!
 //! A new store is created at the latest version directly.
 
@@ -19,17 +21,17 @@ use std::time::Instant;
 
 use serde_json::value::RawValue;
 
-use super::runs::{insert_run, RunEvent, RUN_MAX_EVENTS};
+use super::runs::{insert_run, RunEvent, RunTable, RUN_MAX_EVENTS};
 use super::*;
 
 /// The version this release writes.
-pub(super) const VERSION: i64 = 2;
+pub(super) const VERSION: i64 = 3;
 
 /// One step, from the version before it to the next.
 type Step = fn(&Connection) -> Result<(), StoreError>;
 
 /// The steps, the first from version 0 to 1.
-const STEPS: [Step; VERSION as usize] = [client_msgs_by_seq, events_into_runs];
+const STEPS: [Step; VERSION as usize] = [client_msgs_by_seq, events_into_runs, journal];
 
 /// Brings the database at `conn` to [`VERSION`]: creates the tables of a new
 /// one, migrates one written by an earlier release, and refuses one written
@@ -46,6 +48,7 @@ pub(super) fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         let tx = conn.transaction()?;
         tx.execute_batch(SCHEMA)?;
         tx.execute_batch(EVENT_RUNS)?;
+        tx.execute_batch(EVENT_JOURNAL)?;
         tx.pragma_update(None, "user_version", VERSION)?;
         tx.commit()?;
         return Ok(());
@@ -97,6 +100,7 @@ fn events_into_runs(tx: &Connection) -> Result<(), StoreError> {
     let flush = |run_id: &str, run: &[(u64, String, String, String)]| {
         insert_run(
             tx,
+            RunTable::Runs,
             run_id,
             run.iter().map(|(seq, ts, kind, data)| RunEvent {
                 seq: *seq,
@@ -134,6 +138,12 @@ fn events_into_runs(tx: &Connection) -> Result<(), StoreError> {
     drop(rows);
     drop(read);
     tx.execute_batch("DROP TABLE events;")?;
+    Ok(())
+}
+
+/// 2 to 3: the journal, empty.
+fn journal(tx: &Connection) -> Result<(), StoreError> {
+    tx.execute_batch(EVENT_JOURNAL)?;
     Ok(())
 }
 

@@ -27,9 +27,10 @@
 //! Files: `schema.rs` (tables, rows to types), `migrate.rs` (the format
 //! version and the steps from earlier ones), `connections.rs` (opening
 //! connections, the read pool), `runs.rs` (events in runs: encoding,
-//! reading), `queries.rs` (reads), `writer.rs` (the writer thread and the
-//! writes), `known.rs` (what the writer remembers of what it committed),
-//! `checkpoint.rs`, `threads.rs`.
+//! reading), `journal.rs` (where commits write their runs, and the fold
+//! into `event_runs`), `queries.rs` (reads), `writer.rs` (the writer thread
+//! and the writes), `known.rs` (what the writer remembers of what it
+//! committed), `checkpoint.rs`, `threads.rs`.
 //!
 //! The store checks what it is given: an append whose events do not follow
 //! the stored `head_seq` one by one, that creates an existing conversation or
@@ -46,6 +47,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod checkpoint;
 mod connections;
+mod journal;
 mod known;
 mod migrate;
 mod queries;
@@ -68,6 +70,7 @@ use crate::event::{intern_kind, EventRecord};
 use crate::protocol::Status;
 use checkpoint::*;
 use connections::*;
+use journal::{Fold, JournalFill};
 use known::*;
 use runs::*;
 use schema::*;
@@ -139,6 +142,14 @@ impl SqliteStore {
             .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("linger.db");
         let conn = open_writer(&path)?;
+        // What a crash left in the journal, before any reader scans it.
+        let moved = journal::fold_now(&conn)?;
+        if moved > 0 {
+            tracing::info!(
+                events = moved,
+                "store: folded the journal left by the last run"
+            );
+        }
         let checkpoint_conn = open_checkpointer(&path)?;
         let restart_wanted = Arc::new(AtomicBool::new(false));
         let commits = Arc::new(AtomicU64::new(0));
@@ -162,6 +173,9 @@ impl SqliteStore {
             restart_wanted,
             busy_groups: 0,
             known: KnownRows::default(),
+            journal: JournalFill::default(),
+            fold: None,
+            fold_left_overlap: false,
         };
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {

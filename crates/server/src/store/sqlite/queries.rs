@@ -40,12 +40,14 @@ pub(super) fn list(
 
 /// Stored events with seq > `after`, oldest first, at most `limit`.
 pub(super) fn events(
-    conn: &Connection,
+    conn: &mut Connection,
     id: &str,
     after: u64,
     limit: usize,
 ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
-    events_after(conn, id, after, limit, |_| true)
+    // One read transaction: the runs and the journal of the same commit.
+    let tx = conn.transaction()?;
+    events_after(&tx, id, after, limit, |_| true)
 }
 
 /// Everything needed to reactivate a conversation, with its last `tail`

@@ -3,6 +3,11 @@
 //! `[seq, ts, kind, data]` (`data` the event's own JSON). One row per
 //! conversation per commit, instead of one per event, is what keeps the
 //! B-tree and WAL work of a commit per conversation rather than per event.
+//!
+//! A commit writes its runs into the journal (`journal.rs`), which the
+//! writer later folds into `event_runs`; the readers here read both, the
+//! journal after `event_runs` (every seq in the journal is above those of
+//! the conversation's runs), inside the caller's read transaction.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -97,20 +102,51 @@ fn push_json_str(out: &mut String, s: &str) {
     }
 }
 
+/// Where a run is inserted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RunTable {
+    /// `event_runs`, indexed by conversation and seq.
+    Runs,
+    /// `event_journal`, in commit order, without an index.
+    Journal,
+}
+
+impl RunTable {
+    fn insert_sql(self) -> &'static str {
+        match self {
+            RunTable::Runs => {
+                "INSERT INTO event_runs (conversation_id, first_seq, last_seq, n, min_ts, max_ts, \
+                 events) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
+            }
+            RunTable::Journal => {
+                "INSERT INTO event_journal (conversation_id, first_seq, last_seq, n, min_ts, \
+                 max_ts, events) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
+            }
+        }
+    }
+}
+
 /// Inserts one run (nothing for no events).
 pub(super) fn insert_run<'e>(
     conn: &Connection,
+    table: RunTable,
     conversation_id: &str,
     events: impl IntoIterator<Item = RunEvent<'e>>,
 ) -> Result<(), StoreError> {
     let Some(run) = encode(events) else {
         return Ok(());
     };
-    conn.prepare_cached(
-        "INSERT INTO event_runs (conversation_id, first_seq, last_seq, n, min_ts, max_ts, events) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    )?
-    .execute(params![
+    insert_encoded(conn, table, conversation_id, &run)
+}
+
+/// Inserts a run already encoded.
+pub(super) fn insert_encoded(
+    conn: &Connection,
+    table: RunTable,
+    conversation_id: &str,
+    run: &EncodedRun,
+) -> Result<(), StoreError> {
+    conn.prepare_cached(table.insert_sql())?.execute(params![
         conversation_id,
         clamp_i64(run.first_seq),
         clamp_i64(run.last_seq),
@@ -173,7 +209,11 @@ pub(super) fn decode<'a>(
 }
 
 /// Events with seq > `after` that `keep` accepts, oldest first, at most
-/// `limit`, read run by run from the first run that holds one.
+/// `limit`, read run by run from the first run that holds one: those of
+/// `event_runs`, then the journal's above them (a fold may have copied
+/// journal rows into runs and not yet deleted them, see `journal.rs`). The
+/// caller holds a read transaction, so that a fold between the reads cannot
+/// hide or double a run.
 pub(super) fn events_after(
     conn: &Connection,
     id: &str,
@@ -185,18 +225,29 @@ pub(super) fn events_after(
     if limit == 0 {
         return Ok(out);
     }
-    let mut stmt = conn.prepare_cached(
-        "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
-         ORDER BY last_seq",
-    )?;
-    let mut rows = stmt.query(params![id, clamp_i64(after)])?;
-    while let Some(row) = rows.next()? {
-        let json = row.get_ref(0)?.as_str()?;
-        for ev in decode(id, json)? {
-            if ev.seq() > after && keep(&ev) {
-                out.push(ev.to_record(id));
-                if out.len() >= limit {
-                    return Ok(out);
+    let journal_after = after.max(super::journal::runs_head(conn, id)?);
+    for (sql, after) in [
+        (
+            "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
+             ORDER BY last_seq",
+            after,
+        ),
+        (
+            "SELECT events FROM event_journal WHERE conversation_id = ?1 AND last_seq > ?2 \
+             ORDER BY id",
+            journal_after,
+        ),
+    ] {
+        let mut stmt = conn.prepare_cached(sql)?;
+        let mut rows = stmt.query(params![id, clamp_i64(after)])?;
+        while let Some(row) = rows.next()? {
+            let json = row.get_ref(0)?.as_str()?;
+            for ev in decode(id, json)? {
+                if ev.seq() > after && keep(&ev) {
+                    out.push(ev.to_record(id));
+                    if out.len() >= limit {
+                        return Ok(out);
+                    }
                 }
             }
         }
@@ -204,7 +255,9 @@ pub(super) fn events_after(
     Ok(out)
 }
 
-/// The last `n` events, oldest first.
+/// The last `n` events, oldest first: newest first from the journal (those
+/// above the runs), then from `event_runs` (within the caller's read
+/// transaction).
 pub(super) fn tail(
     conn: &Connection,
     id: &str,
@@ -212,16 +265,28 @@ pub(super) fn tail(
 ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
     let mut out: Vec<Arc<EventRecord>> = Vec::new();
     if n > 0 {
-        let mut stmt = conn.prepare_cached(
-            "SELECT events FROM event_runs WHERE conversation_id = ?1 ORDER BY last_seq DESC",
-        )?;
-        let mut rows = stmt.query([id])?;
-        'runs: while let Some(row) = rows.next()? {
-            let json = row.get_ref(0)?.as_str()?;
-            for ev in decode(id, json)?.iter().rev() {
-                out.push(ev.to_record(id));
-                if out.len() >= n {
-                    break 'runs;
+        let runs_head = super::journal::runs_head(conn, id)?;
+        'tables: for (sql, above) in [
+            (
+                "SELECT events FROM event_journal WHERE conversation_id = ?1 AND last_seq > ?2 \
+                 ORDER BY id DESC",
+                runs_head,
+            ),
+            (
+                "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
+                 ORDER BY last_seq DESC",
+                0,
+            ),
+        ] {
+            let mut stmt = conn.prepare_cached(sql)?;
+            let mut rows = stmt.query(params![id, clamp_i64(above)])?;
+            while let Some(row) = rows.next()? {
+                let json = row.get_ref(0)?.as_str()?;
+                for ev in decode(id, json)?.iter().rev().filter(|ev| ev.seq() > above) {
+                    out.push(ev.to_record(id));
+                    if out.len() >= n {
+                        break 'tables;
+                    }
                 }
             }
         }

@@ -141,7 +141,9 @@ async fn callback_fires_after_commit() {
                 Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
             let n: i64 = conn
                 .query_row(
-                    "SELECT sum(n) FROM event_runs WHERE conversation_id = 'c_1'",
+                    "SELECT (SELECT coalesce(sum(n), 0) FROM event_runs \
+                     WHERE conversation_id = 'c_1') + (SELECT coalesce(sum(n), 0) \
+                     FROM event_journal WHERE conversation_id = 'c_1')",
                     [],
                     |row| row.get(0),
                 )
@@ -395,7 +397,7 @@ fn a_store_of_the_release_before_versions_is_migrated() {
     assert_eq!(migrate::version(&old), 0);
     drop(old);
 
-    let conn = open_writer(&path).unwrap();
+    let mut conn = open_writer(&path).unwrap();
     assert_eq!(migrate::version(&conn), migrate::VERSION);
     let plan: String = conn
         .query_row(
@@ -440,7 +442,7 @@ fn a_store_of_the_release_before_versions_is_migrated() {
         .unwrap();
     assert!(tables.is_empty(), "the per-event table is gone: {tables:?}");
     // Every event reads back as it was written, whichever run holds it.
-    let read = queries::events(&conn, "c_1", 250, 10).unwrap();
+    let read = queries::events(&mut conn, "c_1", 250, 10).unwrap();
     assert_eq!(
         read.iter().map(|e| e.seq).collect::<Vec<_>>(),
         (251..=260).collect::<Vec<_>>()
@@ -487,11 +489,289 @@ fn a_store_of_format_1_is_migrated() {
     )
     .unwrap();
     drop(old);
-    let conn = open_writer(&path).unwrap();
-    assert_eq!(migrate::version(&conn), 2);
-    let read = queries::events(&conn, "c_1", 0, 10).unwrap();
+    let mut conn = open_writer(&path).unwrap();
+    assert_eq!(migrate::version(&conn), migrate::VERSION);
+    let read = queries::events(&mut conn, "c_1", 0, 10).unwrap();
     assert_eq!(read.len(), 1);
     assert_eq!(read[0].data(), r#"{"text":"x"}"#);
+}
+
+/// Runs of deltas `first..=last` of `id`, as a commit writes them.
+fn put_run(conn: &Connection, table: runs::RunTable, id: &str, first: u64, last: u64) {
+    let events: Vec<_> = (first..=last)
+        .map(|seq| record(id, seq, ts(seq), &delta_data(seq)))
+        .collect();
+    runs::insert_run(
+        conn,
+        table,
+        id,
+        events.iter().map(|ev| runs::RunEvent::from(&**ev)),
+    )
+    .unwrap();
+}
+
+fn delta_data(seq: u64) -> EventData {
+    EventData::TextDelta {
+        turn_id: "t_1".into(),
+        text: format!("say \"{seq}\""),
+    }
+}
+
+fn seqs(events: &[Arc<EventRecord>]) -> Vec<u64> {
+    events.iter().map(|e| e.seq).collect()
+}
+
+/// `(conversation_id, first_seq, last_seq)` of every run, in rowid order.
+fn stored_runs(conn: &Connection, table: &str) -> Vec<(String, u64, u64)> {
+    conn.prepare(&format!(
+        "SELECT conversation_id, first_seq, last_seq FROM {table} ORDER BY rowid"
+    ))
+    .unwrap()
+    .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+    .unwrap()
+    .collect::<Result<_, _>>()
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_store_of_format_2_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    // Format 2 is this release's tables without the journal.
+    let old = Connection::open(&path).unwrap();
+    old.execute_batch(SCHEMA).unwrap();
+    old.execute_batch(EVENT_RUNS).unwrap();
+    old.execute_batch(
+        "PRAGMA user_version = 2; \
+         INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
+         head_seq) VALUES ('c_1', 'alice', 'hello', 'idle', '2026-01-01T00:00:00.000Z', \
+         '2026-01-01T00:00:00.000Z', 1);",
+    )
+    .unwrap();
+    put_run(&old, runs::RunTable::Runs, "c_1", 1, 3);
+    drop(old);
+
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let conn = Connection::open(store.path()).unwrap();
+    assert_eq!(migrate::version(&conn), 3);
+    assert_eq!(seqs(&store.events("c_1", 0, 10).await.unwrap()), [1, 2, 3]);
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 3);
+    // Appends go on from the head the runs hold, into the journal.
+    let ev = delta("c_1", 4, "more");
+    append(
+        &store,
+        events_batch("c_1", vec![ev], state(Status::Idle, 4)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(seqs(&store.events("c_1", 2, 10).await.unwrap()), [3, 4]);
+    drop(store);
+    let store = SqliteStore::open(dir.path()).unwrap();
+    assert_eq!(
+        seqs(&store.events("c_1", 0, 10).await.unwrap()),
+        [1, 2, 3, 4]
+    );
+}
+
+#[tokio::test]
+async fn the_journal_reads_as_history_and_is_folded_into_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    append(&store, create_batch("c_2", "bob")).await.unwrap();
+    let path = store.path().to_owned();
+    // Closing folds: both creations are runs now.
+    drop(store);
+    let mut conn = Connection::open(&path).unwrap();
+    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    assert_eq!(
+        stored_runs(&conn, "event_runs"),
+        [("c_1".to_owned(), 1, 1), ("c_2".to_owned(), 1, 1)]
+    );
+
+    // What a crash leaves: commits in the journal, of both conversations
+    // in turn, one of them longer than a run may be.
+    let journal = runs::RunTable::Journal;
+    put_run(&conn, journal, "c_1", 2, 201);
+    put_run(&conn, journal, "c_2", 2, 3);
+    put_run(&conn, journal, "c_1", 202, 301);
+    put_run(&conn, journal, "c_1", 302, 310);
+
+    // Readers see the runs and the journal as one history.
+    assert_eq!(
+        seqs(&queries::events(&mut conn, "c_1", 0, 1000).unwrap()),
+        (1..=310).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        seqs(&queries::events(&mut conn, "c_1", 195, 10).unwrap()),
+        (196..=205).collect::<Vec<_>>()
+    );
+    let tail = queries::snapshot(&mut conn, "c_1", 12, 0).unwrap().unwrap();
+    assert_eq!(seqs(&tail.tail), (299..=310).collect::<Vec<_>>());
+    let meta = queries::get_meta(&conn, "c_1").unwrap().unwrap();
+    assert_eq!((meta.head_seq, meta.last_activity_at), (310, ts(310)));
+    let listed: Vec<(String, u64)> = queries::list(&conn, None)
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.id, m.head_seq))
+        .collect();
+    assert_eq!(listed, [("c_1".to_owned(), 310), ("c_2".to_owned(), 3)]);
+    let before = queries::events(&mut conn, "c_1", 0, 1000).unwrap();
+
+    // Opening folds the journal: each conversation's consecutive runs
+    // merged up to the most a run holds, in the order they came.
+    let store = SqliteStore::open(dir.path()).unwrap();
+    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    let c = |id: &str, first, last| (id.to_owned(), first, last);
+    assert_eq!(
+        stored_runs(&conn, "event_runs"),
+        [
+            c("c_1", 1, 1),
+            c("c_2", 1, 1),
+            c("c_1", 2, 201),
+            c("c_1", 202, 310),
+            c("c_2", 2, 3)
+        ]
+    );
+    let after = store.events("c_1", 0, 1000).await.unwrap();
+    assert_eq!(seqs(&after), seqs(&before));
+    for (a, b) in after.iter().zip(&before) {
+        assert_eq!((a.ts(), &*a.kind, a.data()), (b.ts(), &*b.kind, b.data()));
+    }
+    // The writer reads the head back from the folded runs.
+    let stale = events_batch(
+        "c_1",
+        vec![delta("c_1", 300, "x")],
+        state(Status::Idle, 300),
+    );
+    let refused = append(&store, stale).await.err().map(|e| e.to_string());
+    assert!(
+        refused
+            .as_deref()
+            .is_some_and(|e| e.contains("stored head_seq is 310")),
+        "{refused:?}"
+    );
+    let next = events_batch(
+        "c_1",
+        vec![delta("c_1", 311, "x")],
+        state(Status::Idle, 311),
+    );
+    append(&store, next).await.unwrap();
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 311);
+}
+
+#[tokio::test]
+async fn a_fold_left_half_done_reads_once_and_is_finished_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    drop(store);
+    let mut conn = Connection::open(dir.path().join("linger.db")).unwrap();
+    let journal = runs::RunTable::Journal;
+    put_run(&conn, journal, "c_1", 2, 5);
+    put_run(&conn, journal, "c_1", 6, 8);
+    // A fold copied the first row into the runs, and stopped there.
+    put_run(&conn, runs::RunTable::Runs, "c_1", 2, 5);
+
+    let once = (1..=8).collect::<Vec<_>>();
+    assert_eq!(
+        seqs(&queries::events(&mut conn, "c_1", 0, 100).unwrap()),
+        once
+    );
+    assert_eq!(
+        seqs(&queries::events(&mut conn, "c_1", 3, 100).unwrap()),
+        [4, 5, 6, 7, 8]
+    );
+    assert_eq!(
+        seqs(&queries::events(&mut conn, "c_1", 6, 100).unwrap()),
+        [7, 8]
+    );
+    let snapshot = |conn: &mut Connection, n| {
+        seqs(&queries::snapshot(conn, "c_1", n, 0).unwrap().unwrap().tail)
+    };
+    assert_eq!(snapshot(&mut conn, 2), [7, 8]);
+    assert_eq!(snapshot(&mut conn, 5), [4, 5, 6, 7, 8]);
+    assert_eq!(snapshot(&mut conn, 100), once);
+    assert_eq!(
+        queries::get_meta(&conn, "c_1").unwrap().unwrap().head_seq,
+        8
+    );
+
+    // Opening finishes the fold without copying the first row twice.
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let c = |first, last| ("c_1".to_owned(), first, last);
+    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    assert_eq!(
+        stored_runs(&conn, "event_runs"),
+        [c(1, 1), c(2, 5), c(6, 8)]
+    );
+    assert_eq!(seqs(&store.events("c_1", 0, 100).await.unwrap()), once);
+}
+
+#[test]
+fn a_fold_moves_a_few_conversations_per_step_and_reads_stay_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    let conn = open_writer(&path).unwrap();
+    let mut reader = Connection::open(&path).unwrap();
+    // 300 conversations with two commits each, more than one step takes.
+    let ids: Vec<String> = (0..300).map(|i| format!("c_{i:03}")).collect();
+    for id in &ids {
+        conn.execute(
+            "INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
+             head_seq) VALUES (?1, 'alice', 't', 'idle', ?2, ?2, 0)",
+            params![id, ts(0)],
+        )
+        .unwrap();
+    }
+    for round in 0..2 {
+        for id in &ids {
+            put_run(
+                &conn,
+                runs::RunTable::Journal,
+                id,
+                round * 3 + 1,
+                round * 3 + 3,
+            );
+        }
+    }
+    // Every conversation but the last reads its six events once, whatever
+    // the fold has done so far.
+    let whole = |reader: &mut Connection| {
+        ids[..299].iter().all(|id| {
+            seqs(&queries::events(reader, id, 0, 100).unwrap()) == [1, 2, 3, 4, 5, 6]
+                && seqs(&queries::snapshot(reader, id, 4, 0).unwrap().unwrap().tail) == [3, 4, 5, 6]
+        })
+    };
+    assert!(whole(&mut reader));
+
+    let mut fold = journal::Fold::start(&conn, false).unwrap().unwrap();
+    assert_eq!(fold.events, 300 * 6);
+    // A conversation deleted meanwhile is not brought back.
+    writer::delete(&conn, "c_299").unwrap();
+    fold.forget("c_299");
+    let mut steps = 0;
+    loop {
+        let done = fold.step(&conn).unwrap();
+        steps += 1;
+        let runs = stored_runs(&conn, "event_runs").len();
+        let journal = stored_runs(&conn, "event_journal").len();
+        match steps {
+            // The first 256 conversations' two commits as one run each.
+            1 => assert_eq!((runs, journal), (256, 598)),
+            2 => assert_eq!((runs, journal), (299, 598)),
+            _ => assert_eq!((runs, journal, done), (299, 0, true)),
+        }
+        assert!(whole(&mut reader), "after step {steps}");
+        if done {
+            break;
+        }
+    }
+    assert_eq!(steps, 3);
+    assert!(queries::events(&mut reader, "c_299", 0, 100)
+        .unwrap()
+        .is_empty());
+    drop(conn);
 }
 
 #[test]
@@ -680,8 +960,11 @@ async fn prune_deletes_old_events_only() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
     append(&store, create_batch("c_1", "alice")).await.unwrap();
-    // 5,000 old events, in 300 commits (so more runs than one prune step
-    // looks at), then 3 new ones in the same run as the last old ones.
+    drop(store);
+    // 5,000 old events in 300 runs (more than one prune step looks at), as
+    // folds made over time leave them; then, through the store (into the
+    // journal: a short commit), 3 new ones in the same commit as the last
+    // 4 old ones.
     let day = 86_400;
     let old = 1_000 * day;
     let n_old = 5_000u64;
@@ -697,14 +980,21 @@ async fn prune_deletes_old_events_only() {
         )
     };
     let mut seqs = (2..n_old + 2).collect::<Vec<_>>();
-    let last_chunk = seqs.split_off(seqs.len() - 10);
+    let last_chunk = seqs.split_off(seqs.len() - 4);
+    assert!(last_chunk.len() + 3 < journal::DIRECT_RUN_EVENTS);
+    let conn = Connection::open(dir.path().join("linger.db")).unwrap();
     for chunk in seqs.chunks(seqs.len().div_ceil(300)) {
-        let evs = chunk.iter().map(|&seq| old_event(seq)).collect();
-        let head = *chunk.last().unwrap();
-        append(&store, events_batch("c_1", evs, state(Status::Idle, head)))
-            .await
-            .unwrap();
+        let evs: Vec<_> = chunk.iter().map(|&seq| old_event(seq)).collect();
+        runs::insert_run(
+            &conn,
+            runs::RunTable::Runs,
+            "c_1",
+            evs.iter().map(|ev| runs::RunEvent::from(&**ev)),
+        )
+        .unwrap();
     }
+    drop(conn);
+    let store = SqliteStore::open(dir.path()).unwrap();
     let mut evs: Vec<_> = last_chunk.into_iter().map(old_event).collect();
     for seq in n_old + 2..n_old + 5 {
         evs.push(delta("c_1", seq, "new"));
@@ -718,9 +1008,12 @@ async fn prune_deletes_old_events_only() {
     let runs = || {
         Connection::open(store.path())
             .unwrap()
-            .query_row("SELECT count(*) FROM event_runs", [], |r| {
-                r.get::<_, i64>(0)
-            })
+            .query_row(
+                "SELECT (SELECT count(*) FROM event_runs) + \
+                 (SELECT count(*) FROM event_journal)",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
             .unwrap()
     };
     assert!(runs() > PRUNE_CHUNK, "{}", runs());

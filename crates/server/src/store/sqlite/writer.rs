@@ -2,6 +2,7 @@
 //! order, group commit, and the callbacks after each commit.
 
 use std::borrow::Cow;
+use std::time::Instant;
 
 use super::*;
 
@@ -76,6 +77,9 @@ pub(super) struct PruneJob {
     /// The last run looked at (its rowid): where the next chunk starts.
     pub(super) cursor: i64,
     pub(super) deleted: u64,
+    /// The journal was folded once the scan reached the end, so that the
+    /// events it held are looked at too.
+    pub(super) journal_folded: bool,
     pub(super) reply: oneshot::Sender<Result<u64, StoreError>>,
 }
 
@@ -92,6 +96,12 @@ pub(super) struct Writer {
     pub(super) health: Arc<StoreHealth>,
     /// The heads and row fields of the conversations written lately.
     pub(super) known: KnownRows,
+    /// How much the journal holds, and since when.
+    pub(super) journal: JournalFill,
+    /// The fold in progress, one step after each group.
+    pub(super) fold: Option<Fold>,
+    /// A fold failed half way: the next one skips what it had moved.
+    pub(super) fold_left_overlap: bool,
 }
 
 impl Writer {
@@ -108,14 +118,28 @@ impl Writer {
                         self.restart_wal();
                     }
                     // With a prune pending there is work to do even when
-                    // nothing is queued, so only block when there is none.
-                    if self.prunes.is_empty() {
+                    // nothing is queued, so only block when there is none;
+                    // and only until the journal is due to be folded.
+                    if !self.prunes.is_empty() {
+                        None
+                    } else if self.fold.is_some() {
+                        self.fold_work();
+                        continue;
+                    } else if let Some(due) = self.journal.due_at() {
+                        let wait = due.saturating_duration_since(Instant::now());
+                        match self.rx.recv_timeout(wait) {
+                            Ok(cmd) => Some(cmd),
+                            Err(RecvTimeoutError::Timeout) => {
+                                self.fold_work();
+                                continue;
+                            }
+                            Err(RecvTimeoutError::Disconnected) => break,
+                        }
+                    } else {
                         match self.rx.recv() {
                             Ok(cmd) => Some(cmd),
                             Err(_) => break,
                         }
-                    } else {
-                        None
                     }
                 }
             };
@@ -128,10 +152,13 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            if group.is_empty() && self.prunes.is_empty() {
+            if group.is_empty() && (self.prunes.is_empty() || self.fold.is_some()) {
+                // A prune waits for the fold in progress (see `run_group`).
+                self.fold_work();
                 continue;
             }
             self.run_group(&mut group);
+            self.fold_work();
             if self.restart_wanted.load(Ordering::Relaxed) {
                 self.busy_groups += 1;
                 if self.busy_groups >= RESTART_WITHIN_GROUPS {
@@ -144,6 +171,52 @@ impl Writer {
         for job in self.prunes.drain(..) {
             let _ = job.reply.send(Err(StoreError::Closed));
         }
+        // Not needed for the data (opening folds what is left), but a store
+        // closed cleanly reopens without the work.
+        self.fold = None;
+        if let Err(e) = journal::fold_now(&self.conn) {
+            tracing::warn!(error = %e, "store: folding the journal at close failed");
+        }
+    }
+
+    /// The fold's next step if one is in progress, else a new fold if
+    /// the journal is due (see `journal.rs`).
+    pub(super) fn fold_work(&mut self) {
+        let fold = match self.fold.take() {
+            Some(fold) => Ok(fold),
+            None if self.journal.is_due(Instant::now()) => {
+                self.journal.fold_started();
+                match Fold::start(&self.conn, self.fold_left_overlap) {
+                    Ok(Some(fold)) => Ok(fold),
+                    Ok(None) => {
+                        self.journal.fold_finished();
+                        return;
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            None => return,
+        };
+        let done = fold.and_then(|mut fold| fold.step(&self.conn).map(|done| (fold, done)));
+        match done {
+            Ok((fold, true)) => {
+                self.fold_left_overlap = false;
+                self.journal.fold_finished();
+                crate::metrics::store_fold(fold.busy, fold.events);
+            }
+            Ok((fold, false)) => self.fold = Some(fold),
+            Err(e) => {
+                // A fold that fails for want of space is an outage like an
+                // append's. What it moved stays in the journal as well, and
+                // the next fold, after the usual delay, skips it.
+                if e.is_unavailable() {
+                    self.health.record(Err(&e));
+                }
+                tracing::error!(error = %e, "store: folding the journal failed");
+                self.fold_left_overlap = true;
+                self.journal.fold_failed(Instant::now());
+            }
+        }
     }
 
     pub(super) fn take(&mut self, cmd: Command, group: &mut Vec<Command>) {
@@ -154,6 +227,7 @@ impl Writer {
                 cutoff,
                 cursor: 0,
                 deleted: 0,
+                journal_folded: false,
                 reply,
             }),
             cmd => group.push(cmd),
@@ -165,7 +239,13 @@ impl Writer {
     /// rolled back and replayed with a savepoint per command, so that one bad
     /// append fails alone.
     pub(super) fn run_group(&mut self, group: &mut Vec<Command>) {
-        let prune_cutoff = self.prunes.front().map(|j| (j.cutoff.clone(), j.cursor));
+        // Not while a fold is in progress: the runs it has copied are in
+        // the journal too, and a prune must not delete one copy only.
+        let prune_cutoff = self
+            .prunes
+            .front()
+            .filter(|_| self.fold.is_none())
+            .map(|j| (j.cutoff.clone(), j.cursor));
         let mut results: Vec<Result<Done, StoreError>> = Vec::with_capacity(group.len());
         let mut pruned: Option<Result<PruneStep, StoreError>> = None;
         let started = std::time::Instant::now();
@@ -254,10 +334,13 @@ impl Writer {
             results.push(result);
         }
         // The group's runs and rows first, so that a prune sees them.
-        if let Err(e) = touched.write(conn) {
-            rollback(conn);
-            return if savepoints { Err(e) } else { Ok(false) };
-        }
+        let journaled = match touched.write(conn, &self.journal) {
+            Ok(journaled) => journaled,
+            Err(e) => {
+                rollback(conn);
+                return if savepoints { Err(e) } else { Ok(false) };
+            }
+        };
         if let Some((cutoff, cursor)) = prune_cutoff {
             let result = if savepoints {
                 isolated(conn, |conn| prune_chunk(conn, cutoff, *cursor))
@@ -281,7 +364,17 @@ impl Writer {
         }
         let settled: Vec<Settled> = touched.settled().collect();
         let deleted = std::mem::take(&mut touched.deleted);
+        for id in &deleted {
+            self.journal.forget(id);
+            if let Some(fold) = &mut self.fold {
+                fold.forget(id);
+            }
+        }
         self.known.settle(deleted, settled);
+        let now = Instant::now();
+        for (id, events) in journaled {
+            self.journal.added(id, events, now);
+        }
         Ok(true)
     }
 
@@ -310,6 +403,30 @@ impl Writer {
                 job.deleted += step.deleted;
                 job.cursor = step.cursor;
                 if step.scanned < PRUNE_CHUNK {
+                    if !job.journal_folded {
+                        // The journal's events may be older than the cutoff
+                        // too: fold them into runs, and go on scanning from
+                        // before the runs the fold adds (a run deleted at the
+                        // end can give its rowid to a new one).
+                        job.journal_folded = true;
+                        // (No fold is in progress: prunes wait for it.)
+                        let scanned_upto = max_run_rowid(&self.conn);
+                        match journal::fold_now(&self.conn) {
+                            Ok(_) => {
+                                self.journal.all_folded();
+                                self.fold_left_overlap = false;
+                                if let Ok(upto) = scanned_upto {
+                                    job.cursor = job.cursor.min(upto);
+                                }
+                                return;
+                            }
+                            Err(e) => {
+                                self.fold_left_overlap = true;
+                                self.journal.fold_failed(Instant::now());
+                                tracing::warn!(error = %e, "store: folding the journal for a prune failed");
+                            }
+                        }
+                    }
                     if let Some(job) = self.prunes.pop_front() {
                         let _ = job.reply.send(Ok(job.deleted));
                     }
@@ -439,10 +556,21 @@ impl<'g, 'k> Touched<'g, 'k> {
         })
     }
 
-    pub(super) fn write(&self, conn: &Connection) -> Result<(), StoreError> {
+    /// Writes the group's runs and rows; returns the conversations whose
+    /// events went into the journal, with how many.
+    pub(super) fn write(
+        &self,
+        conn: &Connection,
+        journal: &JournalFill,
+    ) -> Result<Vec<(&'g str, usize)>, StoreError> {
+        let mut journaled = Vec::new();
         for (id, row) in &self.rows {
+            let table = journal.table_for(id, row.events.len());
+            if table == RunTable::Journal && !row.events.is_empty() {
+                journaled.push((*id, row.events.len()));
+            }
             for chunk in row.events.chunks(RUN_MAX_EVENTS) {
-                insert_run(conn, id, chunk.iter().map(|ev| RunEvent::from(*ev)))?;
+                insert_run(conn, table, id, chunk.iter().map(|ev| RunEvent::from(*ev)))?;
             }
             if let Some(state) = row.row_update() {
                 conn.prepare_cached(
@@ -459,15 +587,17 @@ impl<'g, 'k> Touched<'g, 'k> {
                 ])?;
             }
         }
-        Ok(())
+        Ok(journaled)
     }
 }
 
 /// A conversation's stored head (its row's, or its newest run's when
-/// newer) and the fields only its row records.
+/// newer, in the journal or in `event_runs`) and the fields only its row
+/// records.
 fn read_row(conn: &Connection, id: &str) -> Result<(u64, RowFields), StoreError> {
     conn.prepare_cached(
         "SELECT max(head_seq, coalesce((SELECT max(last_seq) FROM event_runs \
+         WHERE conversation_id = ?1), 0), coalesce((SELECT max(last_seq) FROM event_journal \
          WHERE conversation_id = ?1), 0)), status, current_turn_id, \
          last_turn_message_seq FROM conversations WHERE id = ?1",
     )?
@@ -626,6 +756,8 @@ pub(super) fn check_contiguous(batch: &AppendBatch) -> Result<u64, StoreError> {
 pub(super) fn delete(conn: &Connection, id: &str) -> Result<bool, StoreError> {
     conn.prepare_cached("DELETE FROM event_runs WHERE conversation_id = ?1")?
         .execute([id])?;
+    conn.prepare_cached("DELETE FROM event_journal WHERE conversation_id = ?1")?
+        .execute([id])?;
     conn.prepare_cached("DELETE FROM client_msgs WHERE conversation_id = ?1")?
         .execute([id])?;
     let rows = conn
@@ -652,6 +784,13 @@ pub(super) fn add_observer(conn: &Connection, id: &str, user: &str) -> Result<()
     conn.prepare_cached("UPDATE conversations SET observers = ?2 WHERE id = ?1")?
         .execute(params![id, json])?;
     Ok(())
+}
+
+/// The highest rowid of `event_runs` (0 for none).
+fn max_run_rowid(conn: &Connection) -> Result<i64, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT coalesce(max(rowid), 0) FROM event_runs")?
+        .query_row([], |row| row.get(0))?)
 }
 
 /// What one prune step did.

@@ -1,0 +1,367 @@
+//! The journal: where every commit writes its runs, and the fold that moves
+//! them into `event_runs`.
+//!
+//! Why: `event_runs` is indexed by conversation and seq. Paced traffic (many
+//! conversations, a few events each per second) commits about one event per
+//! conversation, so a commit that held one event of each of a thousand
+//! conversations dirtied a thousand pages of that index: a page of WAL, and
+//! of checkpoint copying, per event. The journal has no index, so a commit's
+//! inserts all land on its last pages whichever conversations they are for.
+//! (A long run of a conversation with nothing in the journal, as a burst
+//! commits, goes to `event_runs` directly: see [`DIRECT_RUN_EVENTS`].)
+//! The writer folds the journal once it holds [`FOLD_EVENTS`] events or its oldest
+//! run is [`FOLD_AFTER`] old: the journal's runs of each conversation become
+//! one run of `event_runs` (at most `RUN_MAX_EVENTS` events), so a
+//! conversation's index page is written once per fold rather than once per
+//! commit.
+//!
+//! A fold ([`Fold`]) reads the journal up to its last row once, then works
+//! in steps, each a transaction of its own between groups of appends, so
+//! that appends never wait for more than one step: first it inserts the
+//! merged runs of [`STEP_CONVERSATIONS`] conversations at a time, then it
+//! deletes the rows it read, [`STEP_DELETES`] at a time.
+//!
+//! So, in every committed state, each conversation's history is a prefix
+//! in `event_runs` and a suffix in the journal, which may overlap (rows
+//! already folded and not yet deleted, or left so by a fold that failed
+//! half way): every seq of the journal above the runs' last is in the
+//! journal only, in whole rows. Readers take the runs, then the journal's
+//! events above the runs' last seq. Journal rows are in commit order, which
+//! is each conversation's seq order. A crash leaves the journal as it was
+//! at the last commit; opening the store folds it.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use super::runs::{insert_encoded, EncodedRun, RunTable, RUN_MAX_EVENTS};
+use super::writer::rollback;
+use super::*;
+
+/// The age of the journal's oldest run at which the writer folds it. A
+/// fold costs about the same whatever it holds (a run and an index page per
+/// conversation in it), and appends wait while it runs: folding less often
+/// costs less and stalls as long.
+pub(super) const FOLD_AFTER: Duration = Duration::from_secs(1);
+
+/// Events in the journal past which the writer folds it at once: bounds
+/// what a reader scans (the journal has no index) and what a fold holds in
+/// memory, under heavy load.
+pub(super) const FOLD_EVENTS: usize = 32_768;
+
+/// A commit's run of at least this many events of a conversation that has
+/// nothing in the journal goes to `event_runs` directly: its index page is
+/// already shared by that many events, and the journal would only write
+/// them twice.
+pub(super) const DIRECT_RUN_EVENTS: usize = 8;
+
+/// What the writer knows of the journal, from its own commits: how much it
+/// holds, since when, and which conversations have rows in it.
+#[derive(Debug, Default)]
+pub(super) struct JournalFill {
+    /// Events committed into the journal since the last fold started (an
+    /// estimate after a delete, which takes a conversation's rows without
+    /// counting them).
+    events: usize,
+    /// When the oldest of them was committed.
+    since: Option<Instant>,
+    /// Conversations with rows committed since the last fold started.
+    written: HashSet<Box<str>>,
+    /// Conversations with rows the fold in progress moves.
+    folding: HashSet<Box<str>>,
+}
+
+impl JournalFill {
+    /// Where a commit puts its run of `events` events of `id`: a
+    /// conversation with rows in the journal keeps adding to it, so that
+    /// every seq in the journal stays above those of its runs.
+    pub(super) fn table_for(&self, id: &str, events: usize) -> RunTable {
+        if events >= DIRECT_RUN_EVENTS && !self.written.contains(id) && !self.folding.contains(id) {
+            RunTable::Runs
+        } else {
+            RunTable::Journal
+        }
+    }
+
+    /// A commit wrote `events` of `id` into the journal.
+    pub(super) fn added(&mut self, id: &str, events: usize, now: Instant) {
+        self.events += events;
+        self.since.get_or_insert(now);
+        if !self.written.contains(id) {
+            self.written.insert(id.into());
+        }
+    }
+
+    /// A fold read the journal: what it holds is the fold's to move.
+    pub(super) fn fold_started(&mut self) {
+        self.events = 0;
+        self.since = None;
+        let written = std::mem::take(&mut self.written);
+        self.folding.extend(written);
+    }
+
+    /// The fold moved its rows and deleted them from the journal.
+    pub(super) fn fold_finished(&mut self) {
+        self.folding.clear();
+    }
+
+    /// A fold failed: its rows are still in the journal, and the next try
+    /// waits the usual delay.
+    pub(super) fn fold_failed(&mut self, now: Instant) {
+        self.written.extend(self.folding.drain());
+        self.since = Some(self.since.map_or(now, |since| since.max(now)));
+    }
+
+    /// Everything was folded at once ([`fold_now`]).
+    pub(super) fn all_folded(&mut self) {
+        *self = JournalFill::default();
+    }
+
+    /// A deleted conversation has no rows left anywhere.
+    pub(super) fn forget(&mut self, id: &str) {
+        self.written.remove(id);
+        self.folding.remove(id);
+    }
+
+    /// When the next fold is due (`None`: nothing new in the journal).
+    pub(super) fn due_at(&self) -> Option<Instant> {
+        let since = self.since?;
+        if self.events >= FOLD_EVENTS {
+            return Some(since);
+        }
+        Some(since + FOLD_AFTER)
+    }
+
+    pub(super) fn is_due(&self, now: Instant) -> bool {
+        self.due_at().is_some_and(|at| at <= now)
+    }
+}
+
+/// Conversations whose runs one fold step inserts: with one index page
+/// per conversation, what bounds a step's transaction.
+const STEP_CONVERSATIONS: usize = 256;
+
+/// Journal rows one fold step deletes.
+const STEP_DELETES: i64 = 8192;
+
+/// A fold in progress.
+pub(super) struct Fold {
+    /// The last journal row it read: the rows up to it are its to delete.
+    upto: i64,
+    /// The rows deleted up to here.
+    deleted_upto: i64,
+    /// The merged runs of the conversations not yet inserted.
+    runs: Vec<(String, Vec<EncodedRun>)>,
+    /// Events it moves.
+    pub(super) events: usize,
+    /// Time spent in its transactions (appends waited meanwhile).
+    pub(super) busy: Duration,
+}
+
+impl Fold {
+    /// Reads the journal and merges each conversation's consecutive runs;
+    /// `None` when it is empty. Rows that are already in `event_runs`
+    /// (left by a fold that did not finish) are skipped when `skip_folded`,
+    /// which costs an index lookup per conversation.
+    pub(super) fn start(conn: &Connection, skip_folded: bool) -> Result<Option<Fold>, StoreError> {
+        let started = Instant::now();
+        // Each conversation's runs, merged as they are read, in the order
+        // the conversations first appear, and its runs' last seq.
+        let mut runs: Vec<(String, Vec<EncodedRun>)> = Vec::new();
+        let mut at: HashMap<String, (usize, u64)> = HashMap::new();
+        let mut upto = None;
+        let mut events = 0_usize;
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, conversation_id, first_seq, last_seq, n, min_ts, max_ts, events \
+             FROM event_journal ORDER BY id",
+        )?;
+        let mut found = stmt.query([])?;
+        while let Some(row) = found.next()? {
+            upto = Some(row.get::<_, i64>(0)?);
+            let id = row.get_ref(1)?.as_str()?;
+            let (slot, folded_upto) = match at.get(id) {
+                Some(&known) => known,
+                None => {
+                    let folded_upto = if skip_folded { runs_head(conn, id)? } else { 0 };
+                    let known = (runs.len(), folded_upto);
+                    at.insert(id.to_owned(), known);
+                    runs.push((id.to_owned(), Vec::new()));
+                    known
+                }
+            };
+            let piece = EncodedRun {
+                first_seq: row.get(2)?,
+                last_seq: row.get(3)?,
+                n: row.get(4)?,
+                min_ts: row.get(5)?,
+                max_ts: row.get(6)?,
+                json: row.get(7)?,
+            };
+            if piece.last_seq <= folded_upto {
+                continue;
+            }
+            events += piece.n;
+            let (id, merged) = &mut runs[slot];
+            match merged.last_mut() {
+                Some(run)
+                    if run.n + piece.n <= RUN_MAX_EVENTS && run.last_seq + 1 == piece.first_seq =>
+                {
+                    merge(id, run, piece)?;
+                }
+                _ => merged.push(piece),
+            }
+        }
+        drop(found);
+        drop(stmt);
+        Ok(upto.map(|upto| {
+            // Steps take conversations from the end.
+            runs.reverse();
+            Fold {
+                upto,
+                deleted_upto: 0,
+                runs,
+                events,
+                busy: started.elapsed(),
+            }
+        }))
+    }
+
+    /// One step, in a transaction of its own: the runs of the next few
+    /// conversations, or, once all are in, the next rows to delete.
+    /// Returns whether the fold is done.
+    pub(super) fn step(&mut self, conn: &Connection) -> Result<bool, StoreError> {
+        let started = Instant::now();
+        conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+        let done = self.step_in_transaction(conn).and_then(|done| {
+            conn.prepare_cached("COMMIT")?.execute([])?;
+            Ok(done)
+        });
+        if done.is_err() {
+            rollback(conn);
+        }
+        self.busy += started.elapsed();
+        done
+    }
+
+    fn step_in_transaction(&mut self, conn: &Connection) -> Result<bool, StoreError> {
+        if !self.runs.is_empty() {
+            let from = self.runs.len().saturating_sub(STEP_CONVERSATIONS);
+            for (id, runs) in self.runs[from..].iter().rev() {
+                for run in runs {
+                    insert_encoded(conn, RunTable::Runs, id, run)?;
+                }
+            }
+            // Only once committed would be right, but a step that fails
+            // ends the fold: what it inserted is rolled back, and the next
+            // fold reads the rows again.
+            self.runs.truncate(from);
+            return Ok(false);
+        }
+        let to = self
+            .upto
+            .min(self.deleted_upto.saturating_add(STEP_DELETES));
+        conn.prepare_cached("DELETE FROM event_journal WHERE id <= ?1")?
+            .execute([to])?;
+        self.deleted_upto = to;
+        Ok(to >= self.upto)
+    }
+
+    /// A conversation was deleted: its runs must not come back.
+    pub(super) fn forget(&mut self, id: &str) {
+        self.runs.retain(|(run_id, _)| run_id != id);
+    }
+}
+
+/// The last seq of a conversation's runs in `event_runs` (0 for none).
+pub(super) fn runs_head(conn: &Connection, id: &str) -> Result<u64, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT coalesce(max(last_seq), 0) FROM event_runs WHERE conversation_id = ?1",
+        )?
+        .query_row([id], |row| row.get(0))?)
+}
+
+/// Appends `next`'s events to `run` (the run it follows): the two JSON
+/// arrays become one without decoding either.
+fn merge(id: &str, run: &mut EncodedRun, next: EncodedRun) -> Result<(), StoreError> {
+    let inner = next
+        .json
+        .strip_prefix('[')
+        .and_then(|s| s.strip_suffix(']'))
+        .filter(|s| !s.is_empty());
+    let (Some(inner), Some(']')) = (inner, run.json.pop()) else {
+        return Err(StoreError::Backend(format!(
+            "conversation {id}: a journal run (seq {} to {}) is not readable",
+            next.first_seq, next.last_seq
+        )));
+    };
+    run.json.push(',');
+    run.json.push_str(inner);
+    run.json.push(']');
+    run.last_seq = next.last_seq;
+    run.n += next.n;
+    if next.min_ts < run.min_ts {
+        run.min_ts = next.min_ts;
+    }
+    if next.max_ts > run.max_ts {
+        run.max_ts = next.max_ts;
+    }
+    Ok(())
+}
+
+/// A whole fold at once, step after step: at open (a crash may have left a
+/// journal, and a fold half done), when the writer closes, and before a
+/// prune looks at the newest runs. Returns the events moved.
+pub(super) fn fold_now(conn: &Connection) -> Result<usize, StoreError> {
+    let Some(mut fold) = Fold::start(conn, true)? else {
+        return Ok(0);
+    };
+    while !fold.step(conn)? {}
+    Ok(fold.events)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_conversation_keeps_to_the_journal_until_its_rows_are_folded() {
+        let now = Instant::now();
+        let mut fill = JournalFill::default();
+        assert_eq!(fill.due_at(), None);
+        assert_eq!(fill.table_for("a", DIRECT_RUN_EVENTS), RunTable::Runs);
+        assert_eq!(
+            fill.table_for("a", DIRECT_RUN_EVENTS - 1),
+            RunTable::Journal
+        );
+
+        fill.added("a", 1, now);
+        assert_eq!(fill.table_for("a", 100), RunTable::Journal);
+        assert_eq!(fill.table_for("b", 100), RunTable::Runs);
+        assert!(!fill.is_due(now + FOLD_AFTER / 2));
+        assert!(fill.is_due(now + FOLD_AFTER));
+
+        // While a fold moves its rows, and after the fold failed, "a" is
+        // still in the journal.
+        fill.fold_started();
+        assert_eq!(fill.due_at(), None);
+        assert_eq!(fill.table_for("a", 100), RunTable::Journal);
+        let later = now + FOLD_AFTER;
+        fill.fold_failed(later);
+        assert_eq!(fill.table_for("a", 100), RunTable::Journal);
+        assert!(!fill.is_due(later + FOLD_AFTER / 2));
+        assert!(fill.is_due(later + FOLD_AFTER));
+
+        fill.fold_started();
+        fill.added("b", 1, later);
+        fill.fold_finished();
+        assert_eq!(fill.table_for("a", 100), RunTable::Runs);
+        assert_eq!(fill.table_for("b", 100), RunTable::Journal);
+
+        // A full journal is due at once; a deleted conversation has no
+        // rows left.
+        fill.added("b", FOLD_EVENTS, later);
+        assert!(fill.is_due(later));
+        fill.forget("b");
+        assert_eq!(fill.table_for("b", 100), RunTable::Runs);
+    }
+}
