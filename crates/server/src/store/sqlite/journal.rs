@@ -15,11 +15,11 @@
 //! conversation's index page is written once per fold rather than once per
 //! commit.
 //!
-//! A fold ([`Fold`]) reads the journal up to its last row once, then works
-//! in steps, each a transaction of its own between groups of appends, so
-//! that appends never wait for more than one step: first it inserts the
-//! merged runs of [`STEP_CONVERSATIONS`] conversations at a time, then it
-//! deletes the rows it read, [`STEP_DELETES`] at a time.
+//! A fold ([`Fold`]) works in steps between groups of appends, so that
+//! appends never wait for more than one step: it reads the journal up to
+//! the row that was last when it started, [`STEP_READS`] rows at a time,
+//! then inserts the merged runs of [`STEP_CONVERSATIONS`] conversations per
+//! transaction, then deletes the rows it read, [`STEP_DELETES`] at a time.
 //!
 //! So, in every committed state, each conversation's history is a prefix
 //! in `event_runs` and a suffix in the journal, which may overlap (rows
@@ -137,54 +137,110 @@ impl JournalFill {
 }
 
 /// Conversations whose runs one fold step inserts: with one index page
-/// per conversation, what bounds a step's transaction.
-const STEP_CONVERSATIONS: usize = 256;
+/// per conversation, what bounds a step's transaction (about 5 ms for 64
+/// runs of a few events here).
+pub(super) const STEP_CONVERSATIONS: usize = 64;
+
+/// Journal rows one fold step reads.
+const STEP_READS: i64 = 2048;
 
 /// Journal rows one fold step deletes.
 const STEP_DELETES: i64 = 8192;
 
-/// A fold in progress.
+/// A fold in progress: it reads the journal's rows up to the last one there
+/// was when it started, then inserts their merged runs, then deletes them,
+/// a step at a time.
 pub(super) struct Fold {
-    /// The last journal row it read: the rows up to it are its to delete.
+    /// The last journal row when it started: the rows up to it are its own.
     upto: i64,
-    /// The rows deleted up to here.
+    /// Rows read up to here (`None`: all are read).
+    read_upto: Option<i64>,
+    /// Rows deleted up to here.
     deleted_upto: i64,
-    /// The merged runs of the conversations not yet inserted.
+    /// Skip rows already in `event_runs`.
+    skip_folded: bool,
+    /// Each conversation's merged runs, in the order the conversations
+    /// first appear; once all are read, the ones not yet inserted, in
+    /// reverse (steps take them from the end).
     runs: Vec<(String, Vec<EncodedRun>)>,
+    /// Where a conversation is in `runs` while reading, and its runs' last
+    /// seq when `skip_folded`.
+    at: HashMap<String, (usize, u64)>,
     /// Events it moves.
     pub(super) events: usize,
-    /// Time spent in its transactions (appends waited meanwhile).
+    /// Time spent in its steps (appends waited meanwhile).
     pub(super) busy: Duration,
 }
 
 impl Fold {
-    /// Reads the journal and merges each conversation's consecutive runs;
-    /// `None` when it is empty. Rows that are already in `event_runs`
-    /// (left by a fold that did not finish) are skipped when `skip_folded`,
-    /// which costs an index lookup per conversation.
+    /// A fold of the journal as it is now; `None` when it is empty. Rows
+    /// that are already in `event_runs` (left by a fold that did not
+    /// finish) are skipped when `skip_folded`, which costs an index lookup
+    /// per conversation.
     pub(super) fn start(conn: &Connection, skip_folded: bool) -> Result<Option<Fold>, StoreError> {
+        let upto: Option<i64> = conn
+            .prepare_cached("SELECT max(id) FROM event_journal")?
+            .query_row([], |row| row.get(0))?;
+        Ok(upto.map(|upto| Fold {
+            upto,
+            read_upto: Some(0),
+            deleted_upto: 0,
+            skip_folded,
+            runs: Vec::new(),
+            at: HashMap::new(),
+            events: 0,
+            busy: Duration::ZERO,
+        }))
+    }
+
+    /// One step: the next rows read (without a transaction: the rows up to
+    /// `upto` change only by deletion), or, in a transaction of its own,
+    /// the runs of the next few conversations inserted, or, once all are
+    /// in, the next rows deleted. Returns whether the fold is done.
+    pub(super) fn step(&mut self, conn: &Connection) -> Result<bool, StoreError> {
         let started = Instant::now();
-        // Each conversation's runs, merged as they are read, in the order
-        // the conversations first appear, and its runs' last seq.
-        let mut runs: Vec<(String, Vec<EncodedRun>)> = Vec::new();
-        let mut at: HashMap<String, (usize, u64)> = HashMap::new();
-        let mut upto = None;
-        let mut events = 0_usize;
+        let done = if let Some(after) = self.read_upto {
+            self.read(conn, after).map(|()| false)
+        } else {
+            conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+            let done = self.write(conn).and_then(|done| {
+                conn.prepare_cached("COMMIT")?.execute([])?;
+                Ok(done)
+            });
+            if done.is_err() {
+                rollback(conn);
+            }
+            done
+        };
+        self.busy += started.elapsed();
+        done
+    }
+
+    /// Reads the rows after `after`, merging each conversation's
+    /// consecutive runs.
+    fn read(&mut self, conn: &Connection, after: i64) -> Result<(), StoreError> {
         let mut stmt = conn.prepare_cached(
             "SELECT id, conversation_id, first_seq, last_seq, n, min_ts, max_ts, events \
-             FROM event_journal ORDER BY id",
+             FROM event_journal WHERE id > ?1 AND id <= ?2 ORDER BY id LIMIT ?3",
         )?;
-        let mut found = stmt.query([])?;
+        let mut found = stmt.query(params![after, self.upto, STEP_READS])?;
+        let mut read = 0;
+        let mut last = after;
         while let Some(row) = found.next()? {
-            upto = Some(row.get::<_, i64>(0)?);
+            read += 1;
+            last = row.get(0)?;
             let id = row.get_ref(1)?.as_str()?;
-            let (slot, folded_upto) = match at.get(id) {
+            let (slot, folded_upto) = match self.at.get(id) {
                 Some(&known) => known,
                 None => {
-                    let folded_upto = if skip_folded { runs_head(conn, id)? } else { 0 };
-                    let known = (runs.len(), folded_upto);
-                    at.insert(id.to_owned(), known);
-                    runs.push((id.to_owned(), Vec::new()));
+                    let folded_upto = if self.skip_folded {
+                        runs_head(conn, id)?
+                    } else {
+                        0
+                    };
+                    let known = (self.runs.len(), folded_upto);
+                    self.at.insert(id.to_owned(), known);
+                    self.runs.push((id.to_owned(), Vec::new()));
                     known
                 }
             };
@@ -199,8 +255,8 @@ impl Fold {
             if piece.last_seq <= folded_upto {
                 continue;
             }
-            events += piece.n;
-            let (id, merged) = &mut runs[slot];
+            self.events += piece.n;
+            let (id, merged) = &mut self.runs[slot];
             match merged.last_mut() {
                 Some(run)
                     if run.n + piece.n <= RUN_MAX_EVENTS && run.last_seq + 1 == piece.first_seq =>
@@ -210,39 +266,17 @@ impl Fold {
                 _ => merged.push(piece),
             }
         }
-        drop(found);
-        drop(stmt);
-        Ok(upto.map(|upto| {
-            // Steps take conversations from the end.
-            runs.reverse();
-            Fold {
-                upto,
-                deleted_upto: 0,
-                runs,
-                events,
-                busy: started.elapsed(),
-            }
-        }))
-    }
-
-    /// One step, in a transaction of its own: the runs of the next few
-    /// conversations, or, once all are in, the next rows to delete.
-    /// Returns whether the fold is done.
-    pub(super) fn step(&mut self, conn: &Connection) -> Result<bool, StoreError> {
-        let started = Instant::now();
-        conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
-        let done = self.step_in_transaction(conn).and_then(|done| {
-            conn.prepare_cached("COMMIT")?.execute([])?;
-            Ok(done)
-        });
-        if done.is_err() {
-            rollback(conn);
+        if read < STEP_READS {
+            self.read_upto = None;
+            self.at = HashMap::new();
+            self.runs.reverse();
+        } else {
+            self.read_upto = Some(last);
         }
-        self.busy += started.elapsed();
-        done
+        Ok(())
     }
 
-    fn step_in_transaction(&mut self, conn: &Connection) -> Result<bool, StoreError> {
+    fn write(&mut self, conn: &Connection) -> Result<bool, StoreError> {
         if !self.runs.is_empty() {
             let from = self.runs.len().saturating_sub(STEP_CONVERSATIONS);
             for (id, runs) in self.runs[from..].iter().rev() {
@@ -267,7 +301,11 @@ impl Fold {
 
     /// A conversation was deleted: its runs must not come back.
     pub(super) fn forget(&mut self, id: &str) {
-        self.runs.retain(|(run_id, _)| run_id != id);
+        for (run_id, runs) in &mut self.runs {
+            if run_id == id {
+                runs.clear();
+            }
+        }
     }
 }
 
