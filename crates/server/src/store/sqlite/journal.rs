@@ -1,5 +1,5 @@
-//! The journal: where every commit writes its runs, and the fold that moves
-//! them into `event_runs`.
+//! The journal: where a commit writes its short runs, and the fold that
+//! moves them into `event_runs`.
 //!
 //! Why: `event_runs` is indexed by conversation and seq. Paced traffic (many
 //! conversations, a few events each per second) commits about one event per
@@ -34,13 +34,12 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use super::runs::{insert_encoded, EncodedRun, RunTable, RUN_MAX_EVENTS};
-use super::writer::rollback;
 use super::*;
 
 /// The age of the journal's oldest run at which the writer folds it. A
 /// fold costs about the same whatever it holds (a run and an index page per
-/// conversation in it), and appends wait while it runs: folding less often
-/// costs less and stalls as long.
+/// conversation in it), so folding less often costs less; it is done in
+/// short steps, so how often does not change how long an append waits.
 pub(super) const FOLD_AFTER: Duration = Duration::from_secs(1);
 
 /// Events in the journal past which the writer folds it at once: bounds
