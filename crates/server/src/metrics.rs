@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::event::TurnStatus;
@@ -77,7 +77,22 @@ pub fn events_appended<'a>(kinds: impl IntoIterator<Item = &'a str>) {
 }
 
 fn count_appended(kind: &str, n: u64) {
-    counter!("linger_events_appended_total", "kind" => kind.to_owned()).increment(n);
+    // One handle per kind, made once: `counter!` with a label builds its
+    // key and looks it up in the registry at each call, which was a few
+    // percent of the server's CPU under paced load (one call per commit).
+    static APPENDED: OnceLock<Vec<(&'static str, Counter)>> = OnceLock::new();
+    let counters = APPENDED.get_or_init(|| {
+        // The recorder first, or the handles would be no-ops.
+        handle();
+        <crate::event::EventKind as strum::VariantNames>::VARIANTS
+            .iter()
+            .map(|&k| (k, counter!("linger_events_appended_total", "kind" => k)))
+            .collect()
+    });
+    match counters.iter().find(|(k, _)| *k == kind) {
+        Some((_, counter)) => counter.increment(n),
+        None => counter!("linger_events_appended_total", "kind" => kind.to_owned()).increment(n),
+    }
 }
 
 pub fn replay(source: &'static str) {

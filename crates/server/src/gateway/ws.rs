@@ -257,23 +257,33 @@ async fn write_loop(
     mut out: OutboundReceiver,
     shutdown: CancellationToken,
 ) {
+    // Made once and polled again at each frame: a future made per frame
+    // registered with its token's waiters and left them again each time,
+    // two locks of the shutdown token, which every connection shares.
+    let close = out.close.clone();
+    let closed = close.cancelled();
+    let stopping = shutdown.cancelled();
+    tokio::pin!(closed, stopping);
     let request = loop {
         tokio::select! {
             biased;
-            _ = out.close.cancelled() => break out.close_request(),
-            _ = shutdown.cancelled() => break Some(CloseRequest {
+            _ = &mut closed => break out.close_request(),
+            _ = &mut stopping => break Some(CloseRequest {
                 code: close_code::GOING_AWAY,
                 reason: "server shutting down",
                 drain: true,
             }),
             frame = out.rx.recv() => {
                 let Some(frame) = frame else { break None };
+                // The write first: when the socket takes it at once, as it
+                // mostly does, the tokens are not polled a second time.
                 let sent = tokio::select! {
+                    biased;
                     sent = send_batch(&mut sink, frame, &mut out.rx) => sent.is_ok(),
-                    _ = out.close.cancelled() => false,
-                    _ = shutdown.cancelled() => false,
+                    _ = &mut closed => false,
+                    _ = &mut stopping => false,
                 };
-                if !sent && !out.close.is_cancelled() && !shutdown.is_cancelled() {
+                if !sent && !close.is_cancelled() && !shutdown.is_cancelled() {
                     return;
                 }
             }

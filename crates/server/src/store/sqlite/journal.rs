@@ -243,13 +243,15 @@ impl Fold {
                     known
                 }
             };
-            let piece = EncodedRun {
+            // Borrowed from the row: most pieces are merged into a run
+            // already held, so only a new run copies its text.
+            let piece = Piece {
                 first_seq: row.get(2)?,
                 last_seq: row.get(3)?,
                 n: row.get(4)?,
-                min_ts: row.get(5)?,
-                max_ts: row.get(6)?,
-                json: row.get(7)?,
+                min_ts: row.get_ref(5)?.as_str()?,
+                max_ts: row.get_ref(6)?.as_str()?,
+                json: row.get_ref(7)?.as_str()?,
             };
             if piece.last_seq <= folded_upto {
                 continue;
@@ -260,9 +262,9 @@ impl Fold {
                 Some(run)
                     if run.n + piece.n <= RUN_MAX_EVENTS && run.last_seq + 1 == piece.first_seq =>
                 {
-                    merge(id, run, piece)?;
+                    merge(id, run, &piece)?;
                 }
-                _ => merged.push(piece),
+                _ => merged.push(piece.to_owned_run()),
             }
         }
         if read < STEP_READS {
@@ -317,9 +319,32 @@ pub(super) fn runs_head(conn: &Connection, id: &str) -> Result<u64, StoreError> 
         .query_row([id], |row| row.get(0))?)
 }
 
+/// A journal row's run as read, borrowing the row's text.
+struct Piece<'r> {
+    first_seq: u64,
+    last_seq: u64,
+    n: usize,
+    min_ts: &'r str,
+    max_ts: &'r str,
+    json: &'r str,
+}
+
+impl Piece<'_> {
+    fn to_owned_run(&self) -> EncodedRun {
+        EncodedRun {
+            first_seq: self.first_seq,
+            last_seq: self.last_seq,
+            n: self.n,
+            min_ts: self.min_ts.to_owned(),
+            max_ts: self.max_ts.to_owned(),
+            json: self.json.to_owned(),
+        }
+    }
+}
+
 /// Appends `next`'s events to `run` (the run it follows): the two JSON
 /// arrays become one without decoding either.
-fn merge(id: &str, run: &mut EncodedRun, next: EncodedRun) -> Result<(), StoreError> {
+fn merge(id: &str, run: &mut EncodedRun, next: &Piece<'_>) -> Result<(), StoreError> {
     let inner = next
         .json
         .strip_prefix('[')
@@ -336,11 +361,11 @@ fn merge(id: &str, run: &mut EncodedRun, next: EncodedRun) -> Result<(), StoreEr
     run.json.push(']');
     run.last_seq = next.last_seq;
     run.n += next.n;
-    if next.min_ts < run.min_ts {
-        run.min_ts = next.min_ts;
+    if next.min_ts < run.min_ts.as_str() {
+        next.min_ts.clone_into(&mut run.min_ts);
     }
-    if next.max_ts > run.max_ts {
-        run.max_ts = next.max_ts;
+    if next.max_ts > run.max_ts.as_str() {
+        next.max_ts.clone_into(&mut run.max_ts);
     }
     Ok(())
 }
