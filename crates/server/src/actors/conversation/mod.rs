@@ -130,10 +130,6 @@ pub enum ConversationMsg {
     /// From the supervisor: the running configuration changed; re-arm the
     /// rule timers with the new values.
     ConfigChanged,
-    /// Hands the current batch to the store. Sent to itself after a
-    /// handler appended events, so that every message already waiting in
-    /// the mailbox (a burst of agent output) joins the same append.
-    Flush,
     /// From the supervisor only: record why, detach everyone, stop.
     Shutdown {
         reason: StopReason,
@@ -273,12 +269,11 @@ pub struct State {
 
     /// Seq, the batch, the writes in flight, the committed head, the
     /// replay buffer and the replies waiting for a commit. The batch is
-    /// handed to the store on the `Flush` this actor sends itself, so that
-    /// a burst already in its mailbox is one append (at once when stopping
-    /// or at [`MAX_BATCH_EVENTS`]).
+    /// handed to the store after the handler that appended to it when no
+    /// write is in flight; otherwise it grows until the write's commit
+    /// comes back (or it reaches [`MAX_BATCH_EVENTS`], or the
+    /// conversation stops), so that what arrives meanwhile is one append.
     log: Log,
-    /// A `Flush` message is on its way to this actor.
-    flush_scheduled: bool,
 
     /// Boxed: the map reserves room for several entries at its first
     /// insert, and most conversations have one attachment or none.
@@ -362,7 +357,6 @@ impl Actor for Conversation {
             session,
             credits,
             log: Log::new(args.id.clone()),
-            flush_scheduled: false,
             attachments: HashMap::new(),
             rounds: Rounds::default(),
             turn: None,
@@ -538,10 +532,6 @@ impl Actor for Conversation {
             }
             ConversationMsg::IdleCheck { generation } => state.on_idle_check(generation),
             ConversationMsg::ConfigChanged => state.reconfigure(&myself),
-            ConversationMsg::Flush => {
-                state.flush_scheduled = false;
-                state.flush(&myself);
-            }
             ConversationMsg::Shutdown { reason } => state.begin_stop(&myself, reason),
             ConversationMsg::Moved => {
                 if state.stopping != Some(StopReason::NodeLost) {
@@ -551,10 +541,15 @@ impl Actor for Conversation {
             }
             ConversationMsg::Proxy(_) => {}
         }
-        if state.stopping.is_some() || state.log.batch_len() >= MAX_BATCH_EVENTS {
+        // One write in flight at a time, unless the batch is full: paced
+        // output goes at once, and a burst gathers while the write before
+        // it commits (this used to be a `Flush` message sent to itself,
+        // one more message per event).
+        if state.stopping.is_some()
+            || state.log.batch_len() >= MAX_BATCH_EVENTS
+            || state.log.nothing_in_flight()
+        {
             state.flush(&myself);
-        } else if state.log.batch_len() > 0 && !state.flush_scheduled {
-            state.flush_scheduled = myself.cast(ConversationMsg::Flush).is_ok();
         }
         if state.stopping.is_none() {
             state.rearm_timers(&myself);

@@ -121,6 +121,17 @@ impl JournalFill {
         self.folding.remove(id);
     }
 
+    /// Whether `id` has rows in the journal, as far as this writer's
+    /// commits tell.
+    pub(super) fn holds(&self, id: &str) -> bool {
+        self.written.contains(id) || self.folding.contains(id)
+    }
+
+    /// The conversations written since the last fold began.
+    pub(super) fn written(&self) -> impl Iterator<Item = &str> {
+        self.written.iter().map(|id| &**id)
+    }
+
     /// When the next fold is due (`None`: nothing new in the journal).
     pub(super) fn due_at(&self) -> Option<Instant> {
         let since = self.since?;
@@ -133,6 +144,96 @@ impl JournalFill {
     pub(super) fn is_due(&self, now: Instant) -> bool {
         self.due_at().is_some_and(|at| at <= now)
     }
+}
+
+/// Which conversations may have rows in the journal, as readers can tell:
+/// a read of a conversation with none skips the journal, which it would
+/// otherwise scan whole (it has no index).
+///
+/// The writer marks a conversation before the commit that writes its first
+/// journal rows, and, once a fold's deletes are committed, narrows the set
+/// to the conversations written since the fold began and bumps `epoch`. A
+/// reader notes the epoch, then takes its snapshot (its read transaction's
+/// first read), then asks: a conversation not marked has no rows in that
+/// snapshot, unless the set was narrowed in between (the epoch moved), when
+/// the snapshot may predate the deletes and the reader scans.
+#[derive(Debug, Default)]
+pub(super) struct JournalMembers {
+    inner: std::sync::Mutex<Members>,
+}
+
+#[derive(Debug, Default)]
+struct Members {
+    ids: HashSet<Box<str>>,
+    epoch: u64,
+    /// Every conversation may have rows ([`JournalMembers::anyone`]).
+    all: bool,
+}
+
+impl JournalMembers {
+    /// For readers of a store written by another connection (the tests
+    /// that write rows themselves): everyone may have rows.
+    #[cfg(test)]
+    pub(super) fn anyone() -> JournalMembers {
+        JournalMembers {
+            inner: std::sync::Mutex::new(Members {
+                all: true,
+                ..Members::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Members> {
+        // A panic while holding it leaves a set that is still a superset.
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Before a commit writes journal rows of `id`.
+    pub(super) fn mark(&self, id: &str) {
+        let mut members = self.lock();
+        if !members.ids.contains(id) {
+            members.ids.insert(id.into());
+        }
+    }
+
+    /// After a commit deleted journal rows: only `still` may have some.
+    pub(super) fn narrow_to<'a>(&self, still: impl IntoIterator<Item = &'a str>) {
+        let mut members = self.lock();
+        members.ids = still.into_iter().map(Box::from).collect();
+        members.epoch += 1;
+    }
+
+    /// Noted before a read transaction takes its snapshot.
+    pub(super) fn epoch(&self) -> u64 {
+        self.lock().epoch
+    }
+
+    /// Asked after the snapshot is taken, with the epoch noted before it:
+    /// whether the journal in that snapshot may hold rows of `id`.
+    pub(super) fn may_hold(&self, id: &str, epoch: u64) -> bool {
+        let members = self.lock();
+        members.all || members.epoch != epoch || members.ids.contains(id)
+    }
+}
+
+/// Opens a read transaction on `conn` and says whether its snapshot may
+/// hold journal rows of `id` (see [`JournalMembers`]).
+pub(super) fn begin_read<'c>(
+    conn: &'c mut Connection,
+    members: &JournalMembers,
+    id: &str,
+) -> Result<(rusqlite::Transaction<'c>, bool), StoreError> {
+    let epoch = members.epoch();
+    let tx = conn.transaction()?;
+    // SQLite takes the snapshot at the transaction's first read, not at
+    // its BEGIN.
+    tx.prepare_cached("SELECT 1 FROM conversations WHERE id = ?1")?
+        .query_row([id], |_| Ok(()))
+        .optional()?;
+    let journal = members.may_hold(id, epoch);
+    Ok((tx, journal))
 }
 
 /// Conversations whose runs one fold step inserts: with one index page
@@ -384,6 +485,27 @@ pub(super) fn fold_now(conn: &Connection) -> Result<usize, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn readers_look_in_the_journal_for_marked_conversations_and_after_a_narrowing() {
+        let members = JournalMembers::default();
+        let before = members.epoch();
+        assert!(!members.may_hold("a", before));
+        members.mark("a");
+        assert!(members.may_hold("a", before));
+        assert!(!members.may_hold("b", before));
+
+        // A fold deleted "a"'s rows; "b" was written meanwhile. A reader
+        // that noted the epoch before the narrowing looks for anyone.
+        members.narrow_to(["b"]);
+        assert!(members.may_hold("a", before));
+        let after = members.epoch();
+        assert_ne!(after, before);
+        assert!(!members.may_hold("a", after));
+        assert!(members.may_hold("b", after));
+
+        assert!(JournalMembers::anyone().may_hold("a", 0));
+    }
 
     #[test]
     fn a_conversation_keeps_to_the_journal_until_its_rows_are_folded() {

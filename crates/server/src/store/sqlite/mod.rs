@@ -70,7 +70,7 @@ use crate::event::{intern_kind, EventRecord};
 use crate::protocol::Status;
 use checkpoint::*;
 use connections::*;
-use journal::{Fold, JournalFill};
+use journal::{Fold, JournalFill, JournalMembers};
 use known::*;
 use runs::*;
 use schema::*;
@@ -121,6 +121,8 @@ pub struct SqliteStore {
     readers: Arc<Readers>,
     commits: Arc<AtomicU64>,
     health: Arc<StoreHealth>,
+    /// Which conversations the journal may hold rows of (`journal.rs`).
+    members: Arc<JournalMembers>,
     path: PathBuf,
     _writer: Joined,
     _checkpointer: Joined,
@@ -164,6 +166,8 @@ impl SqliteStore {
 
         let (tx, rx) = mpsc::channel();
         let health = Arc::new(StoreHealth::default());
+        // The journal was folded above: nobody has rows in it.
+        let members = Arc::new(JournalMembers::default());
         let writer = Writer {
             health: health.clone(),
             conn,
@@ -176,6 +180,7 @@ impl SqliteStore {
             journal: JournalFill::default(),
             fold: None,
             fold_left_overlap: false,
+            members: members.clone(),
         };
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {
@@ -187,6 +192,7 @@ impl SqliteStore {
                 idle: Mutex::new(Vec::new()),
             }),
             commits,
+            members,
             path,
             _writer: writer,
             _checkpointer: checkpointer,
@@ -252,7 +258,9 @@ impl Store for SqliteStore {
 
     async fn get(&self, id: &str) -> Result<Option<ConversationMeta>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| queries::get_meta(conn, &id)).await
+        let members = self.members.clone();
+        self.read(move |conn| queries::meta(conn, &members, &id))
+            .await
     }
 
     async fn list(&self, user: Option<&str>) -> Result<Vec<ConversationMeta>, StoreError> {
@@ -268,7 +276,8 @@ impl Store for SqliteStore {
         limit: usize,
     ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| queries::events(conn, &id, after, limit))
+        let members = self.members.clone();
+        self.read(move |conn| queries::events(conn, &members, &id, after, limit))
             .await
     }
 
@@ -279,7 +288,8 @@ impl Store for SqliteStore {
         client_msg_ids: usize,
     ) -> Result<Option<Snapshot>, StoreError> {
         let id = id.to_owned();
-        self.read(move |conn| queries::snapshot(conn, &id, tail, client_msg_ids))
+        let members = self.members.clone();
+        self.read(move |conn| queries::snapshot(conn, &members, &id, tail, client_msg_ids))
             .await
     }
 

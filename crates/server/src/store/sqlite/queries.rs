@@ -3,12 +3,30 @@
 
 use super::*;
 
+/// One conversation's summary, in its own read transaction.
+pub(super) fn meta(
+    conn: &mut Connection,
+    members: &JournalMembers,
+    id: &str,
+) -> Result<Option<ConversationMeta>, StoreError> {
+    let (tx, journal) = journal::begin_read(conn, members, id)?;
+    get_meta(&tx, id, journal)
+}
+
+/// One conversation's summary; `journal`: whether the journal may hold
+/// rows of it (else its scan is left out).
 pub(super) fn get_meta(
     conn: &Connection,
     id: &str,
+    journal: bool,
 ) -> Result<Option<ConversationMeta>, StoreError> {
+    let select = if journal {
+        META_SELECT
+    } else {
+        META_SELECT_RUNS
+    };
     let raw = conn
-        .prepare_cached(&format!("{META_SELECT} WHERE c.id = ?1"))?
+        .prepare_cached(&format!("{select} WHERE c.id = ?1"))?
         .query_row([id], RawMeta::from_row)
         .optional()?;
     raw.map(RawMeta::into_meta).transpose()
@@ -41,33 +59,40 @@ pub(super) fn list(
 /// Stored events with seq > `after`, oldest first, at most `limit`.
 pub(super) fn events(
     conn: &mut Connection,
+    members: &JournalMembers,
     id: &str,
     after: u64,
     limit: usize,
 ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
     // One read transaction: the runs and the journal of the same commit.
-    let tx = conn.transaction()?;
-    events_after(&tx, id, after, limit, |_| true)
+    let (tx, journal) = journal::begin_read(conn, members, id)?;
+    events_after(&tx, id, after, limit, journal, |_| true)
 }
 
 /// Everything needed to reactivate a conversation, with its last `tail`
 /// events and its newest `client_msg_ids` ids.
 pub(super) fn snapshot(
     conn: &mut Connection,
+    members: &JournalMembers,
     id: &str,
     tail: usize,
     client_msg_ids: usize,
 ) -> Result<Option<Snapshot>, StoreError> {
     // One read transaction, so that the row, the tail and the queue
     // are of the same commit.
-    let tx = conn.transaction()?;
-    let Some(meta) = get_meta(&tx, id)? else {
+    let (tx, journal) = journal::begin_read(conn, members, id)?;
+    let Some(meta) = get_meta(&tx, id, journal)? else {
         return Ok(None);
     };
-    let tail_events = runs::tail(&tx, id, tail)?;
-    let queued = events_after(&tx, id, meta.last_turn_message_seq, usize::MAX, |ev| {
-        ev.kind() == "user_message"
-    })?
+    let tail_events = runs::tail(&tx, id, tail, journal)?;
+    let queued = events_after(
+        &tx,
+        id,
+        meta.last_turn_message_seq,
+        usize::MAX,
+        journal,
+        |ev| ev.kind() == "user_message",
+    )?
     .into_iter()
     .map(|ev| {
         Ok(QueuedMessage {

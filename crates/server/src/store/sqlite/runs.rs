@@ -213,24 +213,30 @@ pub(super) fn decode<'a>(
 /// `event_runs`, then the journal's above them (a fold may have copied
 /// journal rows into runs and not yet deleted them, see `journal.rs`). The
 /// caller holds a read transaction, so that a fold between the reads cannot
-/// hide or double a run.
+/// hide or double a run. `journal`: whether the journal may hold rows of
+/// the conversation (else it is not scanned).
 pub(super) fn events_after(
     conn: &Connection,
     id: &str,
     after: u64,
     limit: usize,
+    journal: bool,
     mut keep: impl FnMut(&StoredEvent<'_>) -> bool,
 ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
     let mut out = Vec::new();
     if limit == 0 {
         return Ok(out);
     }
-    let journal_after = after.max(super::journal::runs_head(conn, id)?);
+    let journal_after = if journal {
+        Some(after.max(super::journal::runs_head(conn, id)?))
+    } else {
+        None
+    };
     for (sql, after) in [
         (
             "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
              ORDER BY last_seq",
-            after,
+            Some(after),
         ),
         (
             "SELECT events FROM event_journal WHERE conversation_id = ?1 AND last_seq > ?2 \
@@ -238,6 +244,9 @@ pub(super) fn events_after(
             journal_after,
         ),
     ] {
+        let Some(after) = after else {
+            continue;
+        };
         let mut stmt = conn.prepare_cached(sql)?;
         let mut rows = stmt.query(params![id, clamp_i64(after)])?;
         while let Some(row) = rows.next()? {
@@ -256,16 +265,21 @@ pub(super) fn events_after(
 }
 
 /// The last `n` events, oldest first: newest first from the journal (those
-/// above the runs), then from `event_runs` (within the caller's read
-/// transaction).
+/// above the runs; not when `journal` says it holds none of them), then
+/// from `event_runs` (within the caller's read transaction).
 pub(super) fn tail(
     conn: &Connection,
     id: &str,
     n: usize,
+    journal: bool,
 ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
     let mut out: Vec<Arc<EventRecord>> = Vec::new();
     if n > 0 {
-        let runs_head = super::journal::runs_head(conn, id)?;
+        let runs_head = if journal {
+            Some(super::journal::runs_head(conn, id)?)
+        } else {
+            None
+        };
         'tables: for (sql, above) in [
             (
                 "SELECT events FROM event_journal WHERE conversation_id = ?1 AND last_seq > ?2 \
@@ -275,9 +289,12 @@ pub(super) fn tail(
             (
                 "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
                  ORDER BY last_seq DESC",
-                0,
+                Some(0),
             ),
         ] {
+            let Some(above) = above else {
+                continue;
+            };
             let mut stmt = conn.prepare_cached(sql)?;
             let mut rows = stmt.query(params![id, clamp_i64(above)])?;
             while let Some(row) = rows.next()? {

@@ -69,6 +69,22 @@ CREATE TABLE event_journal (
 );
 ";
 
+/// The summary query over a conversation's row and its newest run, given
+/// the `activity` expression and the journal's head (an SQL expression).
+macro_rules! meta_select {
+    ($activity:literal, $journal_head:literal) => {
+        concat!(
+            "SELECT c.id, c.user, c.title, c.status, c.created_at, ",
+            $activity,
+            " AS activity, max(c.head_seq, coalesce(r.last_seq, 0), ",
+            $journal_head,
+            "), c.close_delay_ms, c.observers, c.current_turn_id, c.last_turn_message_seq \
+             FROM conversations c LEFT JOIN event_runs r ON r.conversation_id = c.id \
+             AND r.last_seq = (SELECT max(last_seq) FROM event_runs WHERE conversation_id = c.id)"
+        )
+    };
+}
+
 /// A conversations row as its readers see it. The row is written when a
 /// field only it records changes (status, turn, last started message), so
 /// its `head_seq` and `last_activity_at` may trail the events appended
@@ -76,16 +92,23 @@ CREATE TABLE event_journal (
 /// `event_runs`) when it is newer. The journal is aggregated once per
 /// query, not once per row. The columns are in [`RawMeta::from_row`]'s
 /// order.
-pub(super) const META_SELECT: &str = "WITH j AS MATERIALIZED (SELECT conversation_id, \
-     max(last_seq) AS last_seq, max(max_ts) AS max_ts FROM event_journal GROUP BY conversation_id) \
-     SELECT c.id, c.user, c.title, c.status, c.created_at, \
-     CASE WHEN j.last_seq > c.head_seq THEN j.max_ts \
-     WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END AS activity, \
-     max(c.head_seq, coalesce(r.last_seq, 0), coalesce(j.last_seq, 0)), c.close_delay_ms, \
-     c.observers, c.current_turn_id, c.last_turn_message_seq \
-     FROM conversations c LEFT JOIN event_runs r ON r.conversation_id = c.id \
-     AND r.last_seq = (SELECT max(last_seq) FROM event_runs WHERE conversation_id = c.id) \
-     LEFT JOIN j ON j.conversation_id = c.id";
+pub(super) const META_SELECT: &str = concat!(
+    "WITH j AS MATERIALIZED (SELECT conversation_id, max(last_seq) AS last_seq, \
+     max(max_ts) AS max_ts FROM event_journal GROUP BY conversation_id) ",
+    meta_select!(
+        "CASE WHEN j.last_seq > c.head_seq THEN j.max_ts \
+         WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END",
+        "coalesce(j.last_seq, 0)"
+    ),
+    " LEFT JOIN j ON j.conversation_id = c.id"
+);
+
+/// [`META_SELECT`] for conversations with nothing in the journal: without
+/// its scan of the journal.
+pub(super) const META_SELECT_RUNS: &str = meta_select!(
+    "CASE WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END",
+    "0"
+);
 
 /// A conversations row as stored, before the checks that turn it into a
 /// [`ConversationMeta`] (a row-mapping closure can only return SQLite errors).

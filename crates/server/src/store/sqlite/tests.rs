@@ -442,7 +442,7 @@ fn a_store_of_the_release_before_versions_is_migrated() {
         .unwrap();
     assert!(tables.is_empty(), "the per-event table is gone: {tables:?}");
     // Every event reads back as it was written, whichever run holds it.
-    let read = queries::events(&mut conn, "c_1", 250, 10).unwrap();
+    let read = queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 250, 10).unwrap();
     assert_eq!(
         read.iter().map(|e| e.seq).collect::<Vec<_>>(),
         (251..=260).collect::<Vec<_>>()
@@ -451,7 +451,10 @@ fn a_store_of_the_release_before_versions_is_migrated() {
     assert_eq!(data["text"], "say \"257\"\n\u{e9}");
     assert_eq!(read[6].ts(), ts(257));
     assert_eq!(
-        queries::get_meta(&conn, "c_1").unwrap().unwrap().head_seq,
+        queries::get_meta(&conn, "c_1", true)
+            .unwrap()
+            .unwrap()
+            .head_seq,
         600
     );
     drop(conn);
@@ -491,7 +494,7 @@ fn a_store_of_format_1_is_migrated() {
     drop(old);
     let mut conn = open_writer(&path).unwrap();
     assert_eq!(migrate::version(&conn), migrate::VERSION);
-    let read = queries::events(&mut conn, "c_1", 0, 10).unwrap();
+    let read = queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 0, 10).unwrap();
     assert_eq!(read.len(), 1);
     assert_eq!(read[0].data(), r#"{"text":"x"}"#);
 }
@@ -599,16 +602,18 @@ async fn the_journal_reads_as_history_and_is_folded_into_runs() {
 
     // Readers see the runs and the journal as one history.
     assert_eq!(
-        seqs(&queries::events(&mut conn, "c_1", 0, 1000).unwrap()),
+        seqs(&queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 0, 1000).unwrap()),
         (1..=310).collect::<Vec<_>>()
     );
     assert_eq!(
-        seqs(&queries::events(&mut conn, "c_1", 195, 10).unwrap()),
+        seqs(&queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 195, 10).unwrap()),
         (196..=205).collect::<Vec<_>>()
     );
-    let tail = queries::snapshot(&mut conn, "c_1", 12, 0).unwrap().unwrap();
+    let tail = queries::snapshot(&mut conn, &JournalMembers::anyone(), "c_1", 12, 0)
+        .unwrap()
+        .unwrap();
     assert_eq!(seqs(&tail.tail), (299..=310).collect::<Vec<_>>());
-    let meta = queries::get_meta(&conn, "c_1").unwrap().unwrap();
+    let meta = queries::get_meta(&conn, "c_1", true).unwrap().unwrap();
     assert_eq!((meta.head_seq, meta.last_activity_at), (310, ts(310)));
     let listed: Vec<(String, u64)> = queries::list(&conn, None)
         .unwrap()
@@ -616,7 +621,7 @@ async fn the_journal_reads_as_history_and_is_folded_into_runs() {
         .map(|m| (m.id, m.head_seq))
         .collect();
     assert_eq!(listed, [("c_1".to_owned(), 310), ("c_2".to_owned(), 3)]);
-    let before = queries::events(&mut conn, "c_1", 0, 1000).unwrap();
+    let before = queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 0, 1000).unwrap();
 
     // Opening folds the journal: each conversation's consecutive runs
     // merged up to the most a run holds, in the order they came.
@@ -675,25 +680,33 @@ async fn a_fold_left_half_done_reads_once_and_is_finished_at_open() {
 
     let once = (1..=8).collect::<Vec<_>>();
     assert_eq!(
-        seqs(&queries::events(&mut conn, "c_1", 0, 100).unwrap()),
+        seqs(&queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 0, 100).unwrap()),
         once
     );
     assert_eq!(
-        seqs(&queries::events(&mut conn, "c_1", 3, 100).unwrap()),
+        seqs(&queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 3, 100).unwrap()),
         [4, 5, 6, 7, 8]
     );
     assert_eq!(
-        seqs(&queries::events(&mut conn, "c_1", 6, 100).unwrap()),
+        seqs(&queries::events(&mut conn, &JournalMembers::anyone(), "c_1", 6, 100).unwrap()),
         [7, 8]
     );
     let snapshot = |conn: &mut Connection, n| {
-        seqs(&queries::snapshot(conn, "c_1", n, 0).unwrap().unwrap().tail)
+        seqs(
+            &queries::snapshot(conn, &JournalMembers::anyone(), "c_1", n, 0)
+                .unwrap()
+                .unwrap()
+                .tail,
+        )
     };
     assert_eq!(snapshot(&mut conn, 2), [7, 8]);
     assert_eq!(snapshot(&mut conn, 5), [4, 5, 6, 7, 8]);
     assert_eq!(snapshot(&mut conn, 100), once);
     assert_eq!(
-        queries::get_meta(&conn, "c_1").unwrap().unwrap().head_seq,
+        queries::get_meta(&conn, "c_1", true)
+            .unwrap()
+            .unwrap()
+            .head_seq,
         8
     );
 
@@ -739,8 +752,14 @@ fn a_fold_moves_a_few_conversations_per_step_and_reads_stay_whole() {
     // the fold has done so far.
     let whole = |reader: &mut Connection| {
         ids[..299].iter().all(|id| {
-            seqs(&queries::events(reader, id, 0, 100).unwrap()) == [1, 2, 3, 4, 5, 6]
-                && seqs(&queries::snapshot(reader, id, 4, 0).unwrap().unwrap().tail) == [3, 4, 5, 6]
+            seqs(&queries::events(reader, &JournalMembers::anyone(), id, 0, 100).unwrap())
+                == [1, 2, 3, 4, 5, 6]
+                && seqs(
+                    &queries::snapshot(reader, &JournalMembers::anyone(), id, 4, 0)
+                        .unwrap()
+                        .unwrap()
+                        .tail,
+                ) == [3, 4, 5, 6]
         })
     };
     assert!(whole(&mut reader));
@@ -768,9 +787,11 @@ fn a_fold_moves_a_few_conversations_per_step_and_reads_stay_whole() {
     assert_eq!(stored_runs(&conn, "event_runs").len(), 299);
     assert_eq!(stored_runs(&conn, "event_journal").len(), 0);
     assert!(whole(&mut reader));
-    assert!(queries::events(&mut reader, "c_299", 0, 100)
-        .unwrap()
-        .is_empty());
+    assert!(
+        queries::events(&mut reader, &JournalMembers::anyone(), "c_299", 0, 100)
+            .unwrap()
+            .is_empty()
+    );
     drop(conn);
 }
 
@@ -1241,4 +1262,93 @@ fn a_run_reads_back_exactly_what_was_written() {
         .map(|ev| (ev.seq(), ev.ts(), ev.kind(), ev.data()))
         .collect();
     assert_eq!(read, events);
+}
+
+#[test]
+fn a_read_skips_the_journal_only_when_its_snapshot_cannot_hold_the_conversation() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    let conn = open_writer(&path).unwrap();
+    let mut reader = Connection::open(&path).unwrap();
+    conn.execute(
+        "INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
+         head_seq) VALUES ('c_1', 'alice', 't', 'idle', ?1, ?1, 0)",
+        [ts(0)],
+    )
+    .unwrap();
+    // The writer's order: mark, then commit the journal rows.
+    let members = JournalMembers::default();
+    members.mark("c_1");
+    put_run(&conn, runs::RunTable::Journal, "c_1", 1, 3);
+    let (tx, journal) = journal::begin_read(&mut reader, &members, "c_1").unwrap();
+    assert!(journal);
+    assert_eq!(
+        seqs(&runs::events_after(&tx, "c_1", 0, 100, journal, |_| true).unwrap()),
+        [1, 2, 3]
+    );
+    drop(tx);
+
+    // A reader whose snapshot was taken before a fold committed its
+    // deletes, and that asks after the writer narrowed the set: the epoch
+    // moved, so it still looks in the journal, where its snapshot has the
+    // events (its snapshot has no runs yet).
+    let epoch = members.epoch();
+    let tx = reader.transaction().unwrap();
+    tx.query_row("SELECT count(*) FROM conversations", [], |r| {
+        r.get::<_, i64>(0)
+    })
+    .unwrap();
+    assert_eq!(journal::fold_now(&conn).unwrap(), 3);
+    members.narrow_to([]);
+    let journal = members.may_hold("c_1", epoch);
+    assert!(journal, "the set was narrowed after this snapshot");
+    assert_eq!(
+        seqs(&runs::events_after(&tx, "c_1", 0, 100, journal, |_| true).unwrap()),
+        [1, 2, 3]
+    );
+    assert_eq!(seqs(&runs::tail(&tx, "c_1", 2, journal).unwrap()), [2, 3]);
+    drop(tx);
+
+    // A read that begins after the fold skips the journal and finds the
+    // events in the runs.
+    let (tx, journal) = journal::begin_read(&mut reader, &members, "c_1").unwrap();
+    assert!(!journal);
+    assert_eq!(
+        seqs(&runs::events_after(&tx, "c_1", 0, 100, journal, |_| true).unwrap()),
+        [1, 2, 3]
+    );
+    assert_eq!(
+        queries::get_meta(&tx, "c_1", journal)
+            .unwrap()
+            .unwrap()
+            .head_seq,
+        3
+    );
+}
+
+#[tokio::test]
+async fn a_conversation_with_events_in_the_journal_reads_whole_through_the_store() {
+    // The store's own writer keeps the set: events committed a moment ago
+    // (in the journal) and events folded (in the runs) read as one history,
+    // through every reader.
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    for seq in 2..=4 {
+        // One event per commit: each goes to the journal.
+        let st = state(Status::Running, seq);
+        let batch = events_batch("c_1", vec![delta("c_1", seq, "tok")], st);
+        append(&store, batch).await.unwrap();
+    }
+    let in_journal: i64 = Connection::open(dir.path().join("linger.db"))
+        .unwrap()
+        .query_row("SELECT count(*) FROM event_journal", [], |r| r.get(0))
+        .unwrap();
+    assert!(in_journal >= 3, "the events are in the journal");
+    let expect = (1..=4).collect::<Vec<_>>();
+    assert_eq!(seqs(&store.events("c_1", 0, 100).await.unwrap()), expect);
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 4);
+    let snapshot = store.snapshot("c_1", 100, 0).await.unwrap().unwrap();
+    assert_eq!(seqs(&snapshot.tail), expect);
+    assert_eq!(snapshot.meta.head_seq, 4);
 }

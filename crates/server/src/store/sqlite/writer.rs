@@ -102,6 +102,8 @@ pub(super) struct Writer {
     pub(super) fold: Option<Fold>,
     /// A fold failed half way: the next one skips what it had moved.
     pub(super) fold_left_overlap: bool,
+    /// Which conversations readers must look for in the journal.
+    pub(super) members: Arc<JournalMembers>,
 }
 
 impl Writer {
@@ -190,6 +192,7 @@ impl Writer {
                     Ok(Some(fold)) => Ok(fold),
                     Ok(None) => {
                         self.journal.fold_finished();
+                        self.members.narrow_to(self.journal.written());
                         return;
                     }
                     Err(e) => Err(e),
@@ -202,6 +205,7 @@ impl Writer {
             Ok((fold, true)) => {
                 self.fold_left_overlap = false;
                 self.journal.fold_finished();
+                self.members.narrow_to(self.journal.written());
                 crate::metrics::store_fold(fold.busy, fold.events);
             }
             Ok((fold, false)) => self.fold = Some(fold),
@@ -317,7 +321,7 @@ impl Writer {
         pruned: &mut Option<Result<PruneStep, StoreError>>,
     ) -> Result<bool, StoreError> {
         let conn = &self.conn;
-        let mut touched = Touched::new(&self.known);
+        let mut touched = Touched::new(&self.known, &self.journal);
         // `?` below: the transaction is lost, every command of the group fails.
         conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
         for cmd in group {
@@ -334,7 +338,7 @@ impl Writer {
             results.push(result);
         }
         // The group's runs and rows first, so that a prune sees them.
-        let journaled = match touched.write(conn, &self.journal) {
+        let journaled = match touched.write(conn, &self.journal, &self.members) {
             Ok(journaled) => journaled,
             Err(e) => {
                 rollback(conn);
@@ -414,6 +418,7 @@ impl Writer {
                         match journal::fold_now(&self.conn) {
                             Ok(_) => {
                                 self.journal.all_folded();
+                                self.members.narrow_to([]);
                                 self.fold_left_overlap = false;
                                 if let Ok(upto) = scanned_upto {
                                     job.cursor = job.cursor.min(upto);
@@ -483,6 +488,7 @@ pub(super) struct Touched<'g, 'k> {
     /// Conversations the group deleted.
     pub(super) deleted: Vec<&'g str>,
     known: &'k KnownRows,
+    journal: &'k JournalFill,
 }
 
 pub(super) struct TouchedRow<'g, 'k> {
@@ -507,11 +513,12 @@ impl<'g> TouchedRow<'g, '_> {
 }
 
 impl<'g, 'k> Touched<'g, 'k> {
-    pub(super) fn new(known: &'k KnownRows) -> Self {
+    pub(super) fn new(known: &'k KnownRows, journal: &'k JournalFill) -> Self {
         Touched {
             rows: HashMap::new(),
             deleted: Vec::new(),
             known,
+            journal,
         }
     }
 
@@ -525,7 +532,7 @@ impl<'g, 'k> Touched<'g, 'k> {
         let (head, stored) = match self.known.get(id) {
             Some(known) => (known.head, Cow::Borrowed(&known.fields)),
             None => {
-                let (head, stored) = read_row(conn, id)?;
+                let (head, stored) = read_row(conn, id, self.journal.holds(id))?;
                 (head, Cow::Owned(stored))
             }
         };
@@ -562,11 +569,17 @@ impl<'g, 'k> Touched<'g, 'k> {
         &self,
         conn: &Connection,
         journal: &JournalFill,
+        members: &JournalMembers,
     ) -> Result<Vec<(&'g str, usize)>, StoreError> {
         let mut journaled = Vec::new();
         for (id, row) in &self.rows {
             let table = journal.table_for(id, row.events.len());
             if table == RunTable::Journal && !row.events.is_empty() {
+                // Before the rows are committed: a reader must never see
+                // them while the conversation is not marked.
+                if !journal.holds(id) {
+                    members.mark(id);
+                }
                 journaled.push((*id, row.events.len()));
             }
             for chunk in row.events.chunks(RUN_MAX_EVENTS) {
@@ -594,25 +607,32 @@ impl<'g, 'k> Touched<'g, 'k> {
 /// A conversation's stored head (its row's, or its newest run's when
 /// newer, in the journal or in `event_runs`) and the fields only its row
 /// records.
-fn read_row(conn: &Connection, id: &str) -> Result<(u64, RowFields), StoreError> {
-    conn.prepare_cached(
+/// `journal`: whether the journal may hold rows of it (else its scan is
+/// left out).
+fn read_row(conn: &Connection, id: &str, journal: bool) -> Result<(u64, RowFields), StoreError> {
+    let sql = if journal {
         "SELECT max(head_seq, coalesce((SELECT max(last_seq) FROM event_runs \
          WHERE conversation_id = ?1), 0), coalesce((SELECT max(last_seq) FROM event_journal \
          WHERE conversation_id = ?1), 0)), status, current_turn_id, \
-         last_turn_message_seq FROM conversations WHERE id = ?1",
-    )?
-    .query_row([id], |row| {
-        Ok((
-            row.get::<_, u64>(0)?,
-            RowFields {
-                status: Status::parse(&row.get::<_, String>(1)?),
-                current_turn_id: row.get::<_, Option<String>>(2)?.map(Box::from),
-                last_turn_message_seq: row.get(3)?,
-            },
-        ))
-    })
-    .optional()?
-    .ok_or_else(|| StoreError::NotFound(id.to_owned()))
+         last_turn_message_seq FROM conversations WHERE id = ?1"
+    } else {
+        "SELECT max(head_seq, coalesce((SELECT max(last_seq) FROM event_runs \
+         WHERE conversation_id = ?1), 0)), status, current_turn_id, \
+         last_turn_message_seq FROM conversations WHERE id = ?1"
+    };
+    conn.prepare_cached(sql)?
+        .query_row([id], |row| {
+            Ok((
+                row.get::<_, u64>(0)?,
+                RowFields {
+                    status: Status::parse(&row.get::<_, String>(1)?),
+                    current_turn_id: row.get::<_, Option<String>>(2)?.map(Box::from),
+                    last_turn_message_seq: row.get(3)?,
+                },
+            ))
+        })
+        .optional()?
+        .ok_or_else(|| StoreError::NotFound(id.to_owned()))
 }
 
 // `touched` is only changed once a command has fully succeeded, so that a
