@@ -1328,9 +1328,9 @@ fn a_read_skips_the_journal_only_when_its_snapshot_cannot_hold_the_conversation(
 
 #[tokio::test]
 async fn a_conversation_with_events_in_the_journal_reads_whole_through_the_store() {
-    // The store's own writer keeps the set: events committed a moment ago
-    // (in the journal) and events folded (in the runs) read as one history,
-    // through every reader.
+    // The store's own writer marks the conversation before its journal
+    // rows commit: events committed a moment ago (in the journal, not yet
+    // folded) read whole through every reader.
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
     append(&store, create_batch("c_1", "alice")).await.unwrap();
