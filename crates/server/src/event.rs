@@ -1,6 +1,7 @@
 //! Sequenced events (protocol §4): their typed payloads and the record that is
 //! serialized once, at append, and shared by the store and every connection.
 
+use std::io::Write as _;
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
@@ -146,11 +147,10 @@ const RECORD_OVERHEAD: usize = allocated(2 * size_of::<usize>() + size_of::<Even
 impl EventRecord {
     /// Builds the record of a new event, stamping it with the current time.
     pub fn new(conversation_id: &str, seq: u64, data: &EventData) -> EventRecord {
-        let ts = now_rfc3339();
         EventRecord::build(
             conversation_id,
             seq,
-            &ts,
+            humantime::format_rfc3339_millis(SystemTime::now()),
             intern_kind(data.kind()),
             128,
             |frame| {
@@ -182,17 +182,21 @@ impl EventRecord {
     fn build(
         conversation_id: &str,
         seq: u64,
-        ts: &str,
+        ts: impl std::fmt::Display,
         kind: Arc<str>,
         data_len: usize,
         write_data: impl FnOnce(&mut Vec<u8>),
     ) -> EventRecord {
-        let id = serde_json::to_string(conversation_id).unwrap_or_else(|_| "\"\"".into());
-        let head = format!(r#"{{"type":"event","conversation_id":{id},"seq":{seq},"ts":""#);
-        let mut frame = Vec::with_capacity(head.len() + ts.len() + kind.len() + data_len + 32);
-        frame.extend_from_slice(head.as_bytes());
-        let ts_range = frame.len()..frame.len() + ts.len();
-        frame.extend_from_slice(ts.as_bytes());
+        // Written straight into the frame: one allocation per event, not
+        // one per part.
+        let mut frame = Vec::with_capacity(128 + conversation_id.len() + kind.len() + data_len);
+        frame.extend_from_slice(br#"{"type":"event","conversation_id":"#);
+        // Writing into a Vec cannot fail, and a str always serializes.
+        let _ = serde_json::to_writer(&mut frame, conversation_id);
+        let _ = write!(frame, r#","seq":{seq},"ts":""#);
+        let ts_start = frame.len();
+        let _ = write!(frame, "{ts}");
+        let ts_range = ts_start..frame.len();
         frame.extend_from_slice(br#"","kind":""#);
         frame.extend_from_slice(kind.as_bytes());
         frame.extend_from_slice(br#"","data":"#);
@@ -212,7 +216,11 @@ impl EventRecord {
             },
             // Every part is a string or JSON written by serde_json, so UTF-8;
             // were it not, the event's data is an empty object, not a panic.
-            Err(_) => EventRecord::from_parts(conversation_id, seq, ts, kind, "{}"),
+            Err(e) => {
+                let ts = String::from_utf8_lossy(e.as_bytes().get(ts_range).unwrap_or_default())
+                    .into_owned();
+                EventRecord::from_parts(conversation_id, seq, &ts, kind, "{}")
+            }
         }
     }
 

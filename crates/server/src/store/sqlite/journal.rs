@@ -30,7 +30,6 @@
 //! is each conversation's seq order. A crash leaves the journal as it was
 //! at the last commit; opening the store folds it.
 
-use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use super::runs::{insert_encoded, EncodedRun, RunTable, RUN_MAX_EVENTS};

@@ -85,7 +85,7 @@ pub(super) struct PruneJob {
 
 pub(super) struct Writer {
     pub(super) conn: Connection,
-    pub(super) rx: Receiver<Command>,
+    pub(super) rx: Receiver<Box<Command>>,
     pub(super) commits: Arc<AtomicU64>,
     pub(super) prunes: VecDeque<PruneJob>,
     /// Set by the checkpointer, see [`Writer::restart_wal`].
@@ -146,11 +146,11 @@ impl Writer {
                 }
             };
             if let Some(cmd) = first {
-                self.take(cmd, &mut group);
+                self.take(*cmd, &mut group);
             }
             while group.len() < MAX_GROUP {
                 match self.rx.try_recv() {
-                    Ok(cmd) => self.take(cmd, &mut group),
+                    Ok(cmd) => self.take(*cmd, &mut group),
                     Err(_) => break,
                 }
             }
