@@ -187,8 +187,8 @@ impl EventRecord {
         data_len: usize,
         write_data: impl FnOnce(&mut Vec<u8>),
     ) -> EventRecord {
-        // Written straight into the frame: one allocation per event, not
-        // one per part.
+        // Every part is written straight into the frame, none built as a
+        // string of its own first.
         let mut frame = Vec::with_capacity(128 + conversation_id.len() + kind.len() + data_len);
         frame.extend_from_slice(br#"{"type":"event","conversation_id":"#);
         // Writing into a Vec cannot fail, and a str always serializes.
