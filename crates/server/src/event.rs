@@ -150,7 +150,7 @@ impl EventRecord {
         EventRecord::build(
             conversation_id,
             seq,
-            humantime::format_rfc3339_millis(SystemTime::now()),
+            now_ts(),
             intern_kind(data.kind()),
             128,
             |frame| {
@@ -264,9 +264,15 @@ pub fn intern_kind(kind: &str) -> Arc<str> {
         .unwrap_or_else(|| Arc::from(kind))
 }
 
-/// RFC 3339 UTC timestamp with milliseconds, as events and REST carry.
+/// The current time as events and REST carry it, RFC 3339 UTC with
+/// milliseconds, to be formatted where it is written.
+pub fn now_ts() -> humantime::Rfc3339Timestamp {
+    humantime::format_rfc3339_millis(SystemTime::now())
+}
+
+/// [`now_ts`] as a string.
 pub fn now_rfc3339() -> String {
-    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
+    now_ts().to_string()
 }
 
 #[cfg(test)]
