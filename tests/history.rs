@@ -336,7 +336,7 @@ async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_histo
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 3);
+    assert_eq!(version, 4);
     let mut stmt = conn
         .prepare("SELECT client_msg_id, seq FROM client_msgs ORDER BY seq")
         .unwrap();
@@ -360,6 +360,11 @@ const FORMAT_1_ID: &str = "c_01M8T2HCN1T2RG919EDJTX596W";
 const FORMAT_2: &str = "tests/fixtures/store-format-2/linger.db";
 const FORMAT_2_ID: &str = "c_01M8VNPEG8WPFTX3Y148S6WAXF";
 
+/// The same, written by the release before the journal of one row per
+/// commit (store format 3, commit c099091), by its own binary and CLI.
+const FORMAT_3: &str = "tests/fixtures/store-format-3/linger.db";
+const FORMAT_3_ID: &str = "c_01M8XD857CXE45WD8M9SQ5229Z";
+
 #[tokio::test]
 async fn a_store_of_format_1_is_migrated_to_event_runs_and_keeps_its_history() {
     migrated_store_keeps_its_history(FORMAT_1, FORMAT_1_ID, "written by format 1").await;
@@ -368,6 +373,11 @@ async fn a_store_of_format_1_is_migrated_to_event_runs_and_keeps_its_history() {
 #[tokio::test]
 async fn a_store_of_format_2_is_migrated_to_the_journal_and_keeps_its_history() {
     migrated_store_keeps_its_history(FORMAT_2, FORMAT_2_ID, "written by format 2").await;
+}
+
+#[tokio::test]
+async fn a_store_of_format_3_is_migrated_to_a_journal_row_per_commit_and_keeps_its_history() {
+    migrated_store_keeps_its_history(FORMAT_3, FORMAT_3_ID, "written by format 3").await;
 }
 
 /// A copy of `fixture` (conversation `id`, head 317, as described above)
@@ -413,7 +423,7 @@ async fn migrated_store_keeps_its_history(fixture: &str, id: &str, title: &str) 
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 3);
+    assert_eq!(version, 4);
     server.shutdown().await;
 }
 

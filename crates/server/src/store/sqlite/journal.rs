@@ -17,9 +17,11 @@
 //!
 //! A fold ([`Fold`]) works in steps between groups of appends, so that
 //! appends never wait for more than one step: it reads the journal up to
-//! the row that was last when it started, [`STEP_READS`] rows at a time,
+//! the row that was last when it started, [`STEP_READS`] runs at a time,
 //! then inserts the merged runs of [`STEP_CONVERSATIONS`] conversations per
 //! transaction, then deletes the rows it read, [`STEP_DELETES`] at a time.
+//! A row of the journal is a commit: the runs of each conversation it
+//! journaled (see `runs::JournalRow`).
 //!
 //! So, in every committed state, each conversation's history is a prefix
 //! in `event_runs` and a suffix in the journal, which may overlap (rows
@@ -32,7 +34,10 @@
 
 use std::time::Instant;
 
-use super::runs::{insert_encoded, EncodedRun, RunTable, RUN_MAX_EVENTS};
+use super::runs::{
+    insert_encoded, journal_entries, journal_needle, EncodedRun, JournalRow, RunTable,
+    RUN_MAX_EVENTS,
+};
 use super::*;
 
 /// The age of the journal's oldest run at which the writer folds it. A
@@ -240,8 +245,9 @@ pub(super) fn begin_read<'c>(
 /// runs of a few events here).
 pub(super) const STEP_CONVERSATIONS: usize = 64;
 
-/// Journal rows one fold step reads.
-const STEP_READS: i64 = 2048;
+/// Runs one fold step reads, at least (whole commits: a paced commit
+/// holds a dozen, a step is about 2 ms of the writer's time).
+const STEP_READS: usize = 2048;
 
 /// Journal rows one fold step deletes.
 const STEP_DELETES: i64 = 8192;
@@ -319,55 +325,64 @@ impl Fold {
     /// consecutive runs.
     fn read(&mut self, conn: &Connection, after: i64) -> Result<(), StoreError> {
         let mut stmt = conn.prepare_cached(
-            "SELECT id, conversation_id, first_seq, last_seq, n, min_ts, max_ts, events \
-             FROM event_journal WHERE id > ?1 AND id <= ?2 ORDER BY id LIMIT ?3",
+            "SELECT id, runs, events FROM event_journal WHERE id > ?1 AND id <= ?2 ORDER BY id",
         )?;
-        let mut found = stmt.query(params![after, self.upto, STEP_READS])?;
+        let mut found = stmt.query(params![after, self.upto])?;
         let mut read = 0;
         let mut last = after;
+        let mut all_read = true;
         while let Some(row) = found.next()? {
-            read += 1;
-            last = row.get(0)?;
-            let id = row.get_ref(1)?.as_str()?;
-            let (slot, folded_upto) = match self.at.get(id) {
-                Some(&known) => known,
-                None => {
-                    let folded_upto = if self.skip_folded {
-                        runs_head(conn, id)?
-                    } else {
-                        0
-                    };
-                    let known = (self.runs.len(), folded_upto);
-                    self.at.insert(id.to_owned(), known);
-                    self.runs.push((id.to_owned(), Vec::new()));
-                    known
-                }
-            };
-            // Borrowed from the row: most pieces are merged into a run
-            // already held, so only a new run copies its text.
-            let piece = Piece {
-                first_seq: row.get(2)?,
-                last_seq: row.get(3)?,
-                n: row.get(4)?,
-                min_ts: row.get_ref(5)?.as_str()?,
-                max_ts: row.get_ref(6)?.as_str()?,
-                json: row.get_ref(7)?.as_str()?,
-            };
-            if piece.last_seq <= folded_upto {
-                continue;
+            if read >= STEP_READS {
+                all_read = false;
+                break;
             }
-            self.events += piece.n;
-            let (id, merged) = &mut self.runs[slot];
-            match merged.last_mut() {
-                Some(run)
-                    if run.n + piece.n <= RUN_MAX_EVENTS && run.last_seq + 1 == piece.first_seq =>
-                {
-                    merge(id, run, &piece)?;
+            last = row.get(0)?;
+            let events = row.get_ref(2)?.as_blob()?;
+            let entries = journal_entries(last, row.get_ref(1)?.as_str()?)?;
+            read += entries.len();
+            for entry in entries {
+                let id = &*entry.0;
+                let (slot, folded_upto) = match self.at.get(id) {
+                    Some(&known) => known,
+                    None => {
+                        let folded_upto = if self.skip_folded {
+                            runs_head(conn, id)?
+                        } else {
+                            0
+                        };
+                        let known = (self.runs.len(), folded_upto);
+                        self.at.insert(id.to_owned(), known);
+                        self.runs.push((id.to_owned(), Vec::new()));
+                        known
+                    }
+                };
+                // Borrowed from the row: most pieces are merged into a run
+                // already held, so only a new run copies its text.
+                let piece = Piece {
+                    first_seq: entry.1,
+                    last_seq: entry.2,
+                    n: entry.3,
+                    min_ts: &entry.4,
+                    max_ts: &entry.5,
+                    json: entry.events(events)?,
+                };
+                if piece.last_seq <= folded_upto {
+                    continue;
                 }
-                _ => merged.push(piece.to_owned_run()),
+                self.events += piece.n;
+                let (id, merged) = &mut self.runs[slot];
+                match merged.last_mut() {
+                    Some(run)
+                        if run.n + piece.n <= RUN_MAX_EVENTS
+                            && run.last_seq + 1 == piece.first_seq =>
+                    {
+                        merge(id, run, &piece)?;
+                    }
+                    _ => merged.push(piece.to_owned_run()),
+                }
             }
         }
-        if read < STEP_READS {
+        if all_read {
             self.read_upto = None;
             self.at = HashMap::new();
             self.runs.reverse();
@@ -382,7 +397,7 @@ impl Fold {
             let from = self.runs.len().saturating_sub(STEP_CONVERSATIONS);
             for (id, runs) in self.runs[from..].iter().rev() {
                 for run in runs {
-                    insert_encoded(conn, RunTable::Runs, id, run)?;
+                    insert_encoded(conn, id, run)?;
                 }
             }
             // Only once committed would be right, but a step that fails
@@ -408,6 +423,115 @@ impl Fold {
             }
         }
     }
+}
+
+/// A run of one conversation as read from the journal.
+pub(super) struct JournalRun {
+    pub(super) last_seq: u64,
+    pub(super) max_ts: String,
+    /// Its events' JSON array (empty when they were not asked for).
+    pub(super) json: String,
+}
+
+/// The runs the journal holds of `id` whose last seq is above `above`, in
+/// commit order (which is seq order); `events`: whether their events are
+/// wanted, or only their heads. A commit holds runs of `id` only if its
+/// `runs` contains the id as the writer writes it ([`journal_needle`]), so
+/// only those commits are parsed, and only their events are read (SQLite
+/// reads a column when it is asked for). In the caller's read transaction.
+pub(super) fn runs_of(
+    conn: &Connection,
+    id: &str,
+    above: u64,
+    events: bool,
+) -> Result<Vec<JournalRun>, StoreError> {
+    let needle = journal_needle(id);
+    let mut stmt = conn.prepare_cached("SELECT id, runs, events FROM event_journal ORDER BY id")?;
+    let mut rows = stmt.query([])?;
+    let mut found = Vec::new();
+    while let Some(row) = rows.next()? {
+        let runs = row.get_ref(1)?.as_str()?;
+        if !runs.contains(needle.as_str()) {
+            continue;
+        }
+        let blob = if events {
+            row.get_ref(2)?.as_blob()?
+        } else {
+            &[]
+        };
+        for entry in journal_entries(row.get(0)?, runs)? {
+            if *entry.0 != *id || entry.2 <= above {
+                continue;
+            }
+            found.push(JournalRun {
+                last_seq: entry.2,
+                max_ts: entry.5.clone().into_owned(),
+                json: if events {
+                    entry.events(blob)?.to_owned()
+                } else {
+                    String::new()
+                },
+            });
+        }
+    }
+    Ok(found)
+}
+
+/// Each conversation's newest seq in the journal, with its time: what
+/// summaries of many conversations take from it. It parses every commit's
+/// `runs`, but reads no events.
+pub(super) fn heads(conn: &Connection) -> Result<HashMap<String, (u64, String)>, StoreError> {
+    let mut stmt = conn.prepare_cached("SELECT id, runs FROM event_journal ORDER BY id")?;
+    let mut rows = stmt.query([])?;
+    let mut heads: HashMap<String, (u64, String)> = HashMap::new();
+    while let Some(row) = rows.next()? {
+        for entry in journal_entries(row.get(0)?, row.get_ref(1)?.as_str()?)? {
+            // Commit order is each conversation's seq order.
+            let head = (entry.2, entry.5.into_owned());
+            match heads.get_mut(&*entry.0) {
+                Some(known) => *known = head,
+                None => {
+                    heads.insert(entry.0.into_owned(), head);
+                }
+            }
+        }
+    }
+    Ok(heads)
+}
+
+/// Takes a deleted conversation's runs out of the journal: each commit
+/// that holds some (found as [`runs_of`] finds them) is written again
+/// without them, or deleted when it held only theirs. It reads the whole
+/// journal (about a second of commits); deletes are rare.
+pub(super) fn delete_runs_of(conn: &Connection, id: &str) -> Result<(), StoreError> {
+    let needle = journal_needle(id);
+    let mut rewritten = Vec::new();
+    {
+        let mut stmt =
+            conn.prepare_cached("SELECT id, runs, events FROM event_journal ORDER BY id")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let runs = row.get_ref(1)?.as_str()?;
+            if !runs.contains(needle.as_str()) {
+                continue;
+            }
+            let row_id: i64 = row.get(0)?;
+            let entries = journal_entries(row_id, runs)?;
+            if entries.iter().all(|entry| *entry.0 != *id) {
+                continue;
+            }
+            let events = row.get_ref(2)?.as_blob()?;
+            let mut kept = JournalRow::default();
+            for entry in entries.iter().filter(|entry| *entry.0 != *id) {
+                kept.add_entry(entry, entry.events(events)?);
+            }
+            rewritten.push((row_id, kept));
+        }
+    }
+    for (row_id, kept) in rewritten {
+        kept.replace(conn, row_id)?;
+    }
+    Ok(())
 }
 
 /// The last seq of a conversation's runs in `event_runs` (0 for none).

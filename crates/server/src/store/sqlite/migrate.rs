@@ -14,6 +14,8 @@
 //!   changes (see [`META_SELECT`]).
 //! - 3: commits write their runs into `event_journal`, which the writer
 //!   folds into `event_runs` (see `journal.rs`).
+//! - 4: a commit's runs are one row of the journal (see `JournalRow`),
+//!   not one row each.
 //!
 //! A new store is created at the latest version directly.
 
@@ -21,17 +23,22 @@ use std::time::Instant;
 
 use serde_json::value::RawValue;
 
-use super::runs::{insert_run, RunEvent, RunTable, RUN_MAX_EVENTS};
+use super::runs::{insert_run, JournalEntry, JournalRow, RunEvent, RunTable, RUN_MAX_EVENTS};
 use super::*;
 
 /// The version this release writes.
-pub(super) const VERSION: i64 = 3;
+pub(super) const VERSION: i64 = 4;
 
 /// One step, from the version before it to the next.
 type Step = fn(&Connection) -> Result<(), StoreError>;
 
 /// The steps, the first from version 0 to 1.
-const STEPS: [Step; VERSION as usize] = [client_msgs_by_seq, events_into_runs, journal];
+const STEPS: [Step; VERSION as usize] = [
+    client_msgs_by_seq,
+    events_into_runs,
+    journal,
+    journal_per_commit,
+];
 
 /// Brings the database at `conn` to [`VERSION`]: creates the tables of a new
 /// one, migrates one written by an earlier release, and refuses one written
@@ -142,8 +149,60 @@ fn events_into_runs(tx: &Connection) -> Result<(), StoreError> {
 }
 
 /// 2 to 3: the journal, empty.
-fn journal(tx: &Connection) -> Result<(), StoreError> {
+pub(super) fn journal(tx: &Connection) -> Result<(), StoreError> {
+    tx.execute_batch(
+        "CREATE TABLE event_journal (
+            id              INTEGER PRIMARY KEY,
+            conversation_id TEXT NOT NULL,
+            first_seq       INTEGER NOT NULL,
+            last_seq        INTEGER NOT NULL,
+            n               INTEGER NOT NULL,
+            min_ts          TEXT NOT NULL,
+            max_ts          TEXT NOT NULL,
+            events          TEXT NOT NULL
+        );",
+    )?;
+    Ok(())
+}
+
+/// 3 to 4: the journal of one row per commit. What a crash left in the
+/// journal of format 3 (a run per row) is carried over, a row of one run
+/// each, in its order, written as the writer writes them (see
+/// `journal_needle`); opening the store then folds it.
+fn journal_per_commit(tx: &Connection) -> Result<(), StoreError> {
+    tx.execute_batch("ALTER TABLE event_journal RENAME TO event_journal_3;")?;
     tx.execute_batch(EVENT_JOURNAL)?;
+    let mut read = tx.prepare(
+        "SELECT conversation_id, first_seq, last_seq, n, min_ts, max_ts, events \
+         FROM event_journal_3 ORDER BY id",
+    )?;
+    let mut rows = read.query([])?;
+    let mut carried = 0_u64;
+    while let Some(row) = rows.next()? {
+        let entry = JournalEntry(
+            row.get_ref(0)?.as_str()?.into(),
+            row.get(1)?,
+            row.get(2)?,
+            row.get(3)?,
+            row.get_ref(4)?.as_str()?.into(),
+            row.get_ref(5)?.as_str()?.into(),
+            0,
+            0,
+        );
+        let mut commit = JournalRow::default();
+        commit.add_entry(&entry, row.get_ref(6)?.as_str()?);
+        commit.insert(tx)?;
+        carried += 1;
+    }
+    drop(rows);
+    drop(read);
+    if carried > 0 {
+        tracing::info!(
+            runs = carried,
+            "store: the journal left by the last run is carried over"
+        );
+    }
+    tx.execute_batch("DROP TABLE event_journal_3;")?;
     Ok(())
 }
 

@@ -190,6 +190,7 @@ impl SqliteStore {
             fold: None,
             fold_left_overlap: false,
             members: members.clone(),
+            journal_row: JournalRow::default(),
         };
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {

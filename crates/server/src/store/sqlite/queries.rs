@@ -14,22 +14,26 @@ pub(super) fn meta(
 }
 
 /// One conversation's summary; `journal`: whether the journal may hold
-/// rows of it (else its scan is left out).
+/// runs of it (else it is not read).
 pub(super) fn get_meta(
     conn: &Connection,
     id: &str,
     journal: bool,
 ) -> Result<Option<ConversationMeta>, StoreError> {
-    let select = if journal {
-        META_SELECT
-    } else {
-        META_SELECT_RUNS
-    };
     let raw = conn
-        .prepare_cached(&format!("{select} WHERE c.id = ?1"))?
+        .prepare_cached(&format!("{META_SELECT} WHERE c.id = ?1"))?
         .query_row([id], RawMeta::from_row)
         .optional()?;
-    raw.map(RawMeta::into_meta).transpose()
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let raw = if journal {
+        let newest = journal::runs_of(conn, id, raw.head_seq, false)?.pop();
+        raw.with_journal_head(newest.map(|run| (run.last_seq, run.max_ts)))
+    } else {
+        raw
+    };
+    raw.into_meta().map(Some)
 }
 
 /// Summaries of one user's conversations (every user's for `None`), newest
@@ -38,22 +42,37 @@ pub(super) fn list(
     conn: &Connection,
     user: Option<&str>,
 ) -> Result<Vec<ConversationMeta>, StoreError> {
-    let rows = match user {
-        Some(user) => {
-            let mut stmt = conn.prepare_cached(&format!(
-                "{META_SELECT} WHERE c.user = ?1 ORDER BY activity DESC, c.id"
-            ))?;
-            let rows = stmt.query_map([user], RawMeta::from_row)?;
-            rows.collect::<Result<Vec<_>, _>>()?
-        }
-        None => {
-            let mut stmt =
-                conn.prepare_cached(&format!("{META_SELECT} ORDER BY activity DESC, c.id"))?;
-            let rows = stmt.query_map([], RawMeta::from_row)?;
-            rows.collect::<Result<Vec<_>, _>>()?
-        }
-    };
-    rows.into_iter().map(RawMeta::into_meta).collect()
+    match user {
+        Some(user) => summaries(conn, "WHERE c.user = ?1", [user]),
+        None => summaries(conn, "", []),
+    }
+}
+
+/// The summaries of the conversations `filter` (an SQL `WHERE` over `c`,
+/// with `params`) selects, newest activity first, with the journal's
+/// heads (read once for all of them).
+fn summaries<P: rusqlite::Params>(
+    conn: &Connection,
+    filter: &str,
+    params: P,
+) -> Result<Vec<ConversationMeta>, StoreError> {
+    let mut stmt = conn.prepare_cached(&format!("{META_SELECT} {filter}"))?;
+    let rows = stmt.query_map(params, RawMeta::from_row)?;
+    let rows = rows.collect::<Result<Vec<_>, _>>()?;
+    let mut heads = journal::heads(conn)?;
+    let mut metas = rows
+        .into_iter()
+        .map(|raw| {
+            let head = heads.remove(&raw.id);
+            raw.with_journal_head(head).into_meta()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    metas.sort_by(|a, b| {
+        b.last_activity_at
+            .cmp(&a.last_activity_at)
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    Ok(metas)
 }
 
 /// Stored events with seq > `after`, oldest first, at most `limit`.
@@ -129,10 +148,5 @@ pub(super) fn snapshot(
 
 /// Conversations not stored as `stopped`.
 pub(super) fn unfinished(conn: &Connection) -> Result<Vec<ConversationMeta>, StoreError> {
-    let mut stmt = conn.prepare_cached(&format!(
-        "{META_SELECT} WHERE c.status != 'stopped' ORDER BY activity DESC, c.id"
-    ))?;
-    let rows = stmt.query_map([], RawMeta::from_row)?;
-    let rows = rows.collect::<Result<Vec<_>, _>>()?;
-    rows.into_iter().map(RawMeta::into_meta).collect()
+    summaries(conn, "WHERE c.status != 'stopped'", [])
 }

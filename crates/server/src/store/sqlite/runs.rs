@@ -4,10 +4,12 @@
 //! conversation per commit, instead of one per event, is what keeps the
 //! B-tree and WAL work of a commit per conversation rather than per event.
 //!
-//! A commit writes its runs into the journal (`journal.rs`), which the
-//! writer later folds into `event_runs`; the readers here read both, the
-//! journal after `event_runs` (every seq in the journal is above those of
-//! the conversation's runs), inside the caller's read transaction.
+//! A commit writes its runs into the journal (`journal.rs`), all of them in
+//! one row ([`JournalRow`]), which the writer later folds into
+//! `event_runs`; the readers here read both, the journal (its runs of the
+//! conversation, see `journal::runs_of`) after `event_runs` (every seq in
+//! the journal is above those of the conversation's runs), inside the
+//! caller's read transaction.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -54,39 +56,214 @@ pub(super) struct EncodedRun {
 
 /// Encodes events given in seq order; `None` for none.
 pub(super) fn encode<'e>(events: impl IntoIterator<Item = RunEvent<'e>>) -> Option<EncodedRun> {
+    let mut json = String::new();
+    let head = encode_into(&mut json, events)?;
+    Some(EncodedRun {
+        first_seq: head.first_seq,
+        last_seq: head.last_seq,
+        n: head.n,
+        min_ts: head.min_ts.to_owned(),
+        max_ts: head.max_ts.to_owned(),
+        json,
+    })
+}
+
+/// What a run's row says of its events, borrowing their times.
+pub(super) struct RunHead<'e> {
+    pub(super) first_seq: u64,
+    pub(super) last_seq: u64,
+    pub(super) n: usize,
+    pub(super) min_ts: &'e str,
+    pub(super) max_ts: &'e str,
+}
+
+/// Encodes events given in seq order as a run's JSON array at the end of
+/// `out`; `None` (and `out` as it was) for none.
+fn encode_into<'e>(
+    out: &mut String,
+    events: impl IntoIterator<Item = RunEvent<'e>>,
+) -> Option<RunHead<'e>> {
     let mut events = events.into_iter();
     let first = events.next()?;
-    let mut run = EncodedRun {
+    let mut head = RunHead {
         first_seq: first.seq,
         last_seq: first.seq,
         n: 0,
-        min_ts: String::new(),
-        max_ts: String::new(),
-        json: String::with_capacity(64 + first.data.len()),
+        min_ts: first.ts,
+        max_ts: first.ts,
     };
-    let (mut min_ts, mut max_ts) = (first.ts, first.ts);
-    run.json.push('[');
+    out.reserve(64 + first.data.len());
+    out.push('[');
     for ev in std::iter::once(first).chain(events) {
-        if run.n > 0 {
-            run.json.push(',');
+        if head.n > 0 {
+            out.push(',');
         }
-        min_ts = min_ts.min(ev.ts);
-        max_ts = max_ts.max(ev.ts);
-        run.last_seq = ev.seq;
-        run.n += 1;
+        head.min_ts = head.min_ts.min(ev.ts);
+        head.max_ts = head.max_ts.max(ev.ts);
+        head.last_seq = ev.seq;
+        head.n += 1;
         // Writing into a String cannot fail.
-        let _ = write!(run.json, "[{},", ev.seq);
-        push_json_str(&mut run.json, ev.ts);
-        run.json.push(',');
-        push_json_str(&mut run.json, ev.kind);
-        run.json.push(',');
-        run.json.push_str(ev.data);
-        run.json.push(']');
+        let _ = write!(out, "[{},", ev.seq);
+        push_json_str(out, ev.ts);
+        out.push(',');
+        push_json_str(out, ev.kind);
+        out.push(',');
+        out.push_str(ev.data);
+        out.push(']');
     }
-    run.json.push(']');
-    min_ts.clone_into(&mut run.min_ts);
-    max_ts.clone_into(&mut run.max_ts);
-    Some(run)
+    out.push(']');
+    Some(head)
+}
+
+/// One commit's row of the journal, as it is built: the runs of every
+/// conversation the commit journals (see `EVENT_JOURNAL` for the columns).
+/// One row per commit rather than one per run: SQLite's cost is mostly per
+/// row, and a paced commit holds one short run of each of many
+/// conversations.
+#[derive(Default)]
+pub(super) struct JournalRow {
+    runs: String,
+    events: String,
+    count: usize,
+}
+
+impl JournalRow {
+    /// Adds the run of `events` (given in seq order) of `conversation_id`.
+    pub(super) fn add<'e>(
+        &mut self,
+        conversation_id: &str,
+        events: impl IntoIterator<Item = RunEvent<'e>>,
+    ) {
+        let start = self.events.len();
+        let Some(head) = encode_into(&mut self.events, events) else {
+            return;
+        };
+        self.push_entry(conversation_id, &head, start);
+    }
+
+    /// Adds a run read from another journal row: `entry`, whose events are
+    /// `json`.
+    pub(super) fn add_entry(&mut self, entry: &JournalEntry<'_>, json: &str) {
+        let start = self.events.len();
+        self.events.push_str(json);
+        let head = RunHead {
+            first_seq: entry.1,
+            last_seq: entry.2,
+            n: entry.3,
+            min_ts: &entry.4,
+            max_ts: &entry.5,
+        };
+        self.push_entry(&entry.0, &head, start);
+    }
+
+    /// Says in `runs` that the run of `conversation_id` is what `events`
+    /// holds from `start` on.
+    fn push_entry(&mut self, conversation_id: &str, head: &RunHead<'_>, start: usize) {
+        let len = self.events.len() - start;
+        self.runs.push(if self.count == 0 { '[' } else { ',' });
+        self.runs.push('[');
+        push_json_str(&mut self.runs, conversation_id);
+        // Writing into a String cannot fail.
+        let _ = write!(
+            self.runs,
+            ",{},{},{},",
+            head.first_seq, head.last_seq, head.n
+        );
+        push_json_str(&mut self.runs, head.min_ts);
+        self.runs.push(',');
+        push_json_str(&mut self.runs, head.max_ts);
+        let _ = write!(self.runs, ",{start},{len}]");
+        self.count += 1;
+    }
+
+    /// Inserts the row (nothing when it holds no run).
+    pub(super) fn insert(&mut self, conn: &Connection) -> Result<(), StoreError> {
+        if self.count == 0 {
+            return Ok(());
+        }
+        self.runs.push(']');
+        conn.prepare_cached("INSERT INTO event_journal (runs, events) VALUES (?1, ?2)")?
+            .execute(params![self.runs, self.events.as_bytes()])?;
+        Ok(())
+    }
+
+    /// Empties the row, keeping its buffers unless a large group grew
+    /// them past what a usual one needs.
+    pub(super) fn clear(&mut self) {
+        const KEPT_BYTES: usize = 1 << 20;
+        if self.events.capacity() > KEPT_BYTES || self.runs.capacity() > KEPT_BYTES {
+            *self = JournalRow::default();
+        } else {
+            self.runs.clear();
+            self.events.clear();
+            self.count = 0;
+        }
+    }
+
+    /// Writes the row in place of row `row_id` (deletes that row when this
+    /// one holds no run).
+    pub(super) fn replace(mut self, conn: &Connection, row_id: i64) -> Result<(), StoreError> {
+        if self.count == 0 {
+            conn.prepare_cached("DELETE FROM event_journal WHERE id = ?1")?
+                .execute([row_id])?;
+            return Ok(());
+        }
+        self.runs.push(']');
+        conn.prepare_cached("UPDATE event_journal SET runs = ?2, events = ?3 WHERE id = ?1")?
+            .execute(params![row_id, self.runs, self.events.as_bytes()])?;
+        Ok(())
+    }
+}
+
+/// One entry of a journal row's `runs`, borrowing the row's text.
+#[derive(Deserialize)]
+pub(super) struct JournalEntry<'a>(
+    #[serde(borrow)] pub(super) Cow<'a, str>,
+    pub(super) u64,
+    pub(super) u64,
+    pub(super) usize,
+    #[serde(borrow)] pub(super) Cow<'a, str>,
+    #[serde(borrow)] pub(super) Cow<'a, str>,
+    pub(super) usize,
+    pub(super) usize,
+);
+
+impl JournalEntry<'_> {
+    /// The run's JSON array: its slice of the row's `events`.
+    pub(super) fn events<'e>(&self, events: &'e [u8]) -> Result<&'e str, StoreError> {
+        let (start, len) = (self.6, self.7);
+        start
+            .checked_add(len)
+            .and_then(|end| events.get(start..end))
+            .and_then(|bytes| std::str::from_utf8(bytes).ok())
+            .ok_or_else(|| {
+                StoreError::Backend(format!(
+                    "conversation {}: a journal run (seq {} to {}) is not readable",
+                    self.0, self.1, self.2
+                ))
+            })
+    }
+}
+
+/// Decodes a journal row's `runs` column.
+pub(super) fn journal_entries(
+    row_id: i64,
+    runs: &str,
+) -> Result<Vec<JournalEntry<'_>>, StoreError> {
+    serde_json::from_str(runs).map_err(|e| {
+        StoreError::Backend(format!(
+            "journal row {row_id}: its runs are not readable: {e}"
+        ))
+    })
+}
+
+/// `id` as a journal row's `runs` holds it (a JSON string): a row holds
+/// runs of the conversation only if its `runs` contains this, which lets
+/// readers skip the others without parsing them.
+pub(super) fn journal_needle(id: &str) -> String {
+    let mut needle = String::with_capacity(id.len() + 2);
+    push_json_str(&mut needle, id);
+    needle
 }
 
 /// Writes `s` as a JSON string. A ts and a kind never need escaping, so
@@ -107,46 +284,45 @@ fn push_json_str(out: &mut String, s: &str) {
 pub(super) enum RunTable {
     /// `event_runs`, indexed by conversation and seq.
     Runs,
-    /// `event_journal`, in commit order, without an index.
+    /// `event_journal`, in commit order, without an index (see
+    /// [`JournalRow`]).
     Journal,
 }
 
-impl RunTable {
-    fn insert_sql(self) -> &'static str {
-        match self {
-            RunTable::Runs => {
-                "INSERT INTO event_runs (conversation_id, first_seq, last_seq, n, min_ts, max_ts, \
-                 events) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
-            }
-            RunTable::Journal => {
-                "INSERT INTO event_journal (conversation_id, first_seq, last_seq, n, min_ts, \
-                 max_ts, events) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
-            }
-        }
-    }
-}
-
-/// Inserts one run (nothing for no events).
+/// Inserts one run (nothing for no events); into the journal, as a row of
+/// its own.
 pub(super) fn insert_run<'e>(
     conn: &Connection,
     table: RunTable,
     conversation_id: &str,
     events: impl IntoIterator<Item = RunEvent<'e>>,
 ) -> Result<(), StoreError> {
-    let Some(run) = encode(events) else {
-        return Ok(());
-    };
-    insert_encoded(conn, table, conversation_id, &run)
+    match table {
+        RunTable::Runs => {
+            let Some(run) = encode(events) else {
+                return Ok(());
+            };
+            insert_encoded(conn, conversation_id, &run)
+        }
+        RunTable::Journal => {
+            let mut row = JournalRow::default();
+            row.add(conversation_id, events);
+            row.insert(conn)
+        }
+    }
 }
 
-/// Inserts a run already encoded.
+/// Inserts a run already encoded into `event_runs`.
 pub(super) fn insert_encoded(
     conn: &Connection,
-    table: RunTable,
     conversation_id: &str,
     run: &EncodedRun,
 ) -> Result<(), StoreError> {
-    conn.prepare_cached(table.insert_sql())?.execute(params![
+    conn.prepare_cached(
+        "INSERT INTO event_runs (conversation_id, first_seq, last_seq, n, min_ts, max_ts, \
+         events) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )?
+    .execute(params![
         conversation_id,
         clamp_i64(run.first_seq),
         clamp_i64(run.last_seq),
@@ -213,8 +389,8 @@ pub(super) fn decode<'a>(
 /// `event_runs`, then the journal's above them (a fold may have copied
 /// journal rows into runs and not yet deleted them, see `journal.rs`). The
 /// caller holds a read transaction, so that a fold between the reads cannot
-/// hide or double a run. `journal`: whether the journal may hold rows of
-/// the conversation (else it is not scanned).
+/// hide or double a run. `journal`: whether the journal may hold runs of
+/// the conversation (else it is not read).
 pub(super) fn events_after(
     conn: &Connection,
     id: &str,
@@ -232,32 +408,31 @@ pub(super) fn events_after(
     } else {
         None
     };
-    for (sql, after) in [
-        (
-            "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
-             ORDER BY last_seq",
-            Some(after),
-        ),
-        (
-            "SELECT events FROM event_journal WHERE conversation_id = ?1 AND last_seq > ?2 \
-             ORDER BY id",
-            journal_after,
-        ),
-    ] {
-        let Some(after) = after else {
-            continue;
-        };
-        let mut stmt = conn.prepare_cached(sql)?;
-        let mut rows = stmt.query(params![id, clamp_i64(after)])?;
-        while let Some(row) = rows.next()? {
-            let json = row.get_ref(0)?.as_str()?;
-            for ev in decode(id, json)? {
-                if ev.seq() > after && keep(&ev) {
-                    out.push(ev.to_record(id));
-                    if out.len() >= limit {
-                        return Ok(out);
-                    }
+    let mut take = |json: &str, after: u64, out: &mut Vec<Arc<EventRecord>>| {
+        for ev in decode(id, json)? {
+            if ev.seq() > after && keep(&ev) {
+                out.push(ev.to_record(id));
+                if out.len() >= limit {
+                    return Ok::<bool, StoreError>(true);
                 }
+            }
+        }
+        Ok(false)
+    };
+    let mut stmt = conn.prepare_cached(
+        "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
+         ORDER BY last_seq",
+    )?;
+    let mut rows = stmt.query(params![id, clamp_i64(after)])?;
+    while let Some(row) = rows.next()? {
+        if take(row.get_ref(0)?.as_str()?, after, &mut out)? {
+            return Ok(out);
+        }
+    }
+    if let Some(after) = journal_after {
+        for run in super::journal::runs_of(conn, id, after, true)? {
+            if take(&run.json, after, &mut out)? {
+                break;
             }
         }
     }
@@ -274,37 +449,39 @@ pub(super) fn tail(
     journal: bool,
 ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
     let mut out: Vec<Arc<EventRecord>> = Vec::new();
-    if n > 0 {
-        let runs_head = if journal {
-            Some(super::journal::runs_head(conn, id)?)
-        } else {
-            None
-        };
-        'tables: for (sql, above) in [
-            (
-                "SELECT events FROM event_journal WHERE conversation_id = ?1 AND last_seq > ?2 \
-                 ORDER BY id DESC",
-                runs_head,
-            ),
-            (
-                "SELECT events FROM event_runs WHERE conversation_id = ?1 AND last_seq > ?2 \
-                 ORDER BY last_seq DESC",
-                Some(0),
-            ),
-        ] {
-            let Some(above) = above else {
-                continue;
-            };
-            let mut stmt = conn.prepare_cached(sql)?;
-            let mut rows = stmt.query(params![id, clamp_i64(above)])?;
-            while let Some(row) = rows.next()? {
-                let json = row.get_ref(0)?.as_str()?;
-                for ev in decode(id, json)?.iter().rev().filter(|ev| ev.seq() > above) {
-                    out.push(ev.to_record(id));
-                    if out.len() >= n {
-                        break 'tables;
-                    }
+    // Takes the run's events above `above`, newest first; whether `out`
+    // is full.
+    let take = |json: &str, above: u64, out: &mut Vec<Arc<EventRecord>>| {
+        for ev in decode(id, json)?.iter().rev().filter(|ev| ev.seq() > above) {
+            if out.len() >= n {
+                return Ok::<bool, StoreError>(true);
+            }
+            out.push(ev.to_record(id));
+        }
+        Ok(out.len() >= n)
+    };
+    'read: {
+        if n == 0 {
+            break 'read;
+        }
+        if journal {
+            let runs_head = super::journal::runs_head(conn, id)?;
+            for run in super::journal::runs_of(conn, id, runs_head, true)?
+                .iter()
+                .rev()
+            {
+                if take(&run.json, runs_head, &mut out)? {
+                    break 'read;
                 }
+            }
+        }
+        let mut stmt = conn.prepare_cached(
+            "SELECT events FROM event_runs WHERE conversation_id = ?1 ORDER BY last_seq DESC",
+        )?;
+        let mut rows = stmt.query([id])?;
+        while let Some(row) = rows.next()? {
+            if take(row.get_ref(0)?.as_str()?, 0, &mut out)? {
+                break 'read;
             }
         }
     }

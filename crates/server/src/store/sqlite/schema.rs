@@ -50,65 +50,36 @@ CREATE TABLE event_runs (
 CREATE UNIQUE INDEX event_runs_by_seq ON event_runs (conversation_id, last_seq);
 ";
 
-/// The journal (format 3, see `journal.rs`), created by a new store and by
-/// the migration to format 3 alike.
+/// The journal (format 4, see `journal.rs`), created by a new store and by
+/// the migration to format 4 alike.
 pub(super) const EVENT_JOURNAL: &str = "
--- Runs committed since the last fold, in commit order, with the columns of
--- event_runs. No index: an insert writes the table's last page, whichever
--- conversation it is for, and a reader scans the table whole (it holds
--- about a second of events; the writer folds it into event_runs).
+-- One row per commit that journaled runs, in commit order. `runs` is a JSON
+-- array with one entry per run: [conversation_id, first_seq, last_seq, n,
+-- min_ts, max_ts, start, len], where the run's JSON array (as in
+-- event_runs.events) is the `len` bytes of `events` from byte `start`. No
+-- index: a commit writes the table's last page, whichever conversations it
+-- holds, and a reader scans the table whole (it holds about a second of
+-- events; the writer folds it into event_runs).
 CREATE TABLE event_journal (
-    id              INTEGER PRIMARY KEY,
-    conversation_id TEXT NOT NULL,
-    first_seq       INTEGER NOT NULL,
-    last_seq        INTEGER NOT NULL,
-    n               INTEGER NOT NULL,
-    min_ts          TEXT NOT NULL,
-    max_ts          TEXT NOT NULL,
-    events          TEXT NOT NULL
+    id     INTEGER PRIMARY KEY,
+    runs   TEXT NOT NULL,
+    events BLOB NOT NULL
 );
 ";
-
-/// The summary query over a conversation's row and its newest run, given
-/// the `activity` expression and the journal's head (an SQL expression).
-macro_rules! meta_select {
-    ($activity:literal, $journal_head:literal) => {
-        concat!(
-            "SELECT c.id, c.user, c.title, c.status, c.created_at, ",
-            $activity,
-            " AS activity, max(c.head_seq, coalesce(r.last_seq, 0), ",
-            $journal_head,
-            "), c.close_delay_ms, c.observers, c.current_turn_id, c.last_turn_message_seq \
-             FROM conversations c LEFT JOIN event_runs r ON r.conversation_id = c.id \
-             AND r.last_seq = (SELECT max(last_seq) FROM event_runs WHERE conversation_id = c.id)"
-        )
-    };
-}
 
 /// A conversations row as its readers see it. The row is written when a
 /// field only it records changes (status, turn, last started message), so
 /// its `head_seq` and `last_activity_at` may trail the events appended
-/// since: those two come from the newest run (in the journal, else in
-/// `event_runs`) when it is newer. The journal is aggregated once per
-/// query, not once per row. The columns are in [`RawMeta::from_row`]'s
-/// order.
-pub(super) const META_SELECT: &str = concat!(
-    "WITH j AS MATERIALIZED (SELECT conversation_id, max(last_seq) AS last_seq, \
-     max(max_ts) AS max_ts FROM event_journal GROUP BY conversation_id) ",
-    meta_select!(
-        "CASE WHEN j.last_seq > c.head_seq THEN j.max_ts \
-         WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END",
-        "coalesce(j.last_seq, 0)"
-    ),
-    " LEFT JOIN j ON j.conversation_id = c.id"
-);
-
-/// [`META_SELECT`] for conversations with nothing in the journal: without
-/// its scan of the journal.
-pub(super) const META_SELECT_RUNS: &str = meta_select!(
-    "CASE WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END",
-    "0"
-);
+/// since: those two come from the newest run of `event_runs` when it is
+/// newer, and then from the journal's newest run when that is newer still
+/// ([`RawMeta::with_journal_head`]). The columns are in
+/// [`RawMeta::from_row`]'s order.
+pub(super) const META_SELECT: &str = "SELECT c.id, c.user, c.title, c.status, c.created_at, \
+     CASE WHEN r.last_seq > c.head_seq THEN r.max_ts ELSE c.last_activity_at END AS activity, \
+     max(c.head_seq, coalesce(r.last_seq, 0)), c.close_delay_ms, c.observers, \
+     c.current_turn_id, c.last_turn_message_seq \
+     FROM conversations c LEFT JOIN event_runs r ON r.conversation_id = c.id \
+     AND r.last_seq = (SELECT max(last_seq) FROM event_runs WHERE conversation_id = c.id)";
 
 /// A conversations row as stored, before the checks that turn it into a
 /// [`ConversationMeta`] (a row-mapping closure can only return SQLite errors).
@@ -141,6 +112,18 @@ impl RawMeta {
             current_turn_id: row.get(9)?,
             last_turn_message_seq: row.get(10)?,
         })
+    }
+
+    /// The summary once the journal's newest run of the conversation,
+    /// `(last_seq, max_ts)`, is taken into account.
+    pub(super) fn with_journal_head(mut self, head: Option<(u64, String)>) -> RawMeta {
+        if let Some((last_seq, max_ts)) = head {
+            if last_seq > self.head_seq {
+                self.head_seq = last_seq;
+                self.last_activity_at = max_ts;
+            }
+        }
+        self
     }
 
     pub(super) fn into_meta(self) -> Result<ConversationMeta, StoreError> {

@@ -139,15 +139,19 @@ async fn callback_fires_after_commit() {
         Box::new(move |r| {
             let conn =
                 Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
-            let n: i64 = conn
+            let in_runs: usize = conn
                 .query_row(
-                    "SELECT (SELECT coalesce(sum(n), 0) FROM event_runs \
-                     WHERE conversation_id = 'c_1') + (SELECT coalesce(sum(n), 0) \
-                     FROM event_journal WHERE conversation_id = 'c_1')",
+                    "SELECT coalesce(sum(n), 0) FROM event_runs WHERE conversation_id = 'c_1'",
                     [],
                     |row| row.get(0),
                 )
                 .unwrap();
+            let in_journal: usize = journal_runs(&conn)
+                .iter()
+                .filter(|run| run.0 == "c_1")
+                .map(|run| run.3)
+                .sum();
+            let n = in_runs + in_journal;
             let _ = tx.send((r, n));
         }),
     );
@@ -513,6 +517,34 @@ fn put_run(conn: &Connection, table: runs::RunTable, id: &str, first: u64, last:
     .unwrap();
 }
 
+/// One commit into the journal: a row holding, for each `(id, seqs)`, the
+/// run of those events of `id`.
+fn put_commit(conn: &Connection, runs: &[(&str, std::ops::RangeInclusive<u64>)]) {
+    let events: Vec<Vec<Arc<EventRecord>>> = runs
+        .iter()
+        .map(|(id, seqs)| {
+            seqs.clone()
+                .map(|seq| record(id, seq, ts(seq), &delta_data(seq)))
+                .collect()
+        })
+        .collect();
+    let mut row = runs::JournalRow::default();
+    for ((id, _), events) in runs.iter().zip(&events) {
+        row.add(id, events.iter().map(|ev| runs::RunEvent::from(&**ev)));
+    }
+    row.insert(conn).unwrap();
+}
+
+/// A conversations row for `id`, as the writer's create makes it.
+fn put_conversation(conn: &Connection, id: &str) {
+    conn.execute(
+        "INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
+         head_seq) VALUES (?1, 'alice', 't', 'idle', ?2, ?2, 0)",
+        params![id, ts(0)],
+    )
+    .unwrap();
+}
+
 fn delta_data(seq: u64) -> EventData {
     EventData::TextDelta {
         turn_id: "t_1".into(),
@@ -525,7 +557,14 @@ fn seqs(events: &[Arc<EventRecord>]) -> Vec<u64> {
 }
 
 /// `(conversation_id, first_seq, last_seq)` of every run, in rowid order.
+/// `table`: `event_runs`, or `event_journal` (its commits' runs in order).
 fn stored_runs(conn: &Connection, table: &str) -> Vec<(String, u64, u64)> {
+    if table == "event_journal" {
+        return journal_runs(conn)
+            .into_iter()
+            .map(|(id, first, last, _)| (id, first, last))
+            .collect();
+    }
     conn.prepare(&format!(
         "SELECT conversation_id, first_seq, last_seq FROM {table} ORDER BY rowid"
     ))
@@ -534,6 +573,77 @@ fn stored_runs(conn: &Connection, table: &str) -> Vec<(String, u64, u64)> {
     .unwrap()
     .collect::<Result<_, _>>()
     .unwrap()
+}
+
+/// `(conversation_id, first_seq, last_seq, n)` of every run in the
+/// journal, in commit order.
+fn journal_runs(conn: &Connection) -> Vec<(String, u64, u64, usize)> {
+    let mut stmt = conn
+        .prepare("SELECT id, runs FROM event_journal ORDER BY id")
+        .unwrap();
+    let mut rows = stmt.query([]).unwrap();
+    let mut found = Vec::new();
+    while let Some(row) = rows.next().unwrap() {
+        let runs = row.get_ref(1).unwrap().as_str().unwrap();
+        for entry in runs::journal_entries(row.get(0).unwrap(), runs).unwrap() {
+            found.push((entry.0.into_owned(), entry.1, entry.2, entry.3));
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn a_store_of_format_3_is_migrated_with_what_its_journal_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    // Format 3: a run per journal row, as a crash left it: c_1 has runs in
+    // both tables.
+    let old = Connection::open(&path).unwrap();
+    old.execute_batch(SCHEMA).unwrap();
+    old.execute_batch(EVENT_RUNS).unwrap();
+    migrate::journal(&old).unwrap();
+    old.execute_batch(
+        "PRAGMA user_version = 3; \
+         INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
+         head_seq) VALUES ('c_1', 'alice', 'hello', 'idle', '2026-01-01T00:00:00.000Z', \
+         '2026-01-01T00:00:00.000Z', 1);",
+    )
+    .unwrap();
+    put_run(&old, runs::RunTable::Runs, "c_1", 1, 3);
+    let events: Vec<_> = (4..=7)
+        .map(|seq| record("c_1", seq, ts(seq), &delta_data(seq)))
+        .collect();
+    for part in [&events[..2], &events[2..]] {
+        let run = runs::encode(part.iter().map(|ev| runs::RunEvent::from(&**ev))).unwrap();
+        old.execute(
+            "INSERT INTO event_journal (conversation_id, first_seq, last_seq, n, min_ts, \
+             max_ts, events) VALUES ('c_1', ?1, ?2, ?3, ?4, ?5, ?6)",
+            params![
+                run.first_seq,
+                run.last_seq,
+                run.n,
+                run.min_ts,
+                run.max_ts,
+                run.json
+            ],
+        )
+        .unwrap();
+    }
+    drop(old);
+
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let conn = Connection::open(store.path()).unwrap();
+    assert_eq!(migrate::version(&conn), migrate::VERSION);
+    // Opening folded what the journal held: its two rows, as one run.
+    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    assert_eq!(
+        stored_runs(&conn, "event_runs"),
+        [("c_1".to_owned(), 1, 3), ("c_1".to_owned(), 4, 7)]
+    );
+    let read = store.events("c_1", 0, 10).await.unwrap();
+    assert_eq!(seqs(&read), [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(read[5].frame, events[2].frame, "read back as written");
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 7);
 }
 
 #[tokio::test]
@@ -556,7 +666,7 @@ async fn a_store_of_format_2_is_migrated() {
 
     let store = SqliteStore::open(dir.path()).unwrap();
     let conn = Connection::open(store.path()).unwrap();
-    assert_eq!(migrate::version(&conn), 3);
+    assert_eq!(migrate::version(&conn), migrate::VERSION);
     assert_eq!(seqs(&store.events("c_1", 0, 10).await.unwrap()), [1, 2, 3]);
     assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 3);
     // Appends go on from the head the runs hold, into the journal.
@@ -730,24 +840,17 @@ fn a_fold_moves_a_few_conversations_per_step_and_reads_stay_whole() {
     // 300 conversations with two commits each, more than one step takes.
     let ids: Vec<String> = (0..300).map(|i| format!("c_{i:03}")).collect();
     for id in &ids {
-        conn.execute(
-            "INSERT INTO conversations (id, user, title, status, created_at, last_activity_at, \
-             head_seq) VALUES (?1, 'alice', 't', 'idle', ?2, ?2, 0)",
-            params![id, ts(0)],
-        )
-        .unwrap();
+        put_conversation(&conn, id);
     }
-    for round in 0..2 {
-        for id in &ids {
-            put_run(
-                &conn,
-                runs::RunTable::Journal,
-                id,
-                round * 3 + 1,
-                round * 3 + 3,
-            );
-        }
+    // Each round one commit: one journal row with a run of each.
+    for round in 0..2_u64 {
+        let runs: Vec<_> = ids
+            .iter()
+            .map(|id| (id.as_str(), round * 3 + 1..=round * 3 + 3))
+            .collect();
+        put_commit(&conn, &runs);
     }
+    assert_eq!(stored_runs(&conn, "event_journal").len(), 600);
     // Every conversation but the last reads its six events once, whatever
     // the fold has done so far.
     let whole = |reader: &mut Connection| {
@@ -765,7 +868,7 @@ fn a_fold_moves_a_few_conversations_per_step_and_reads_stay_whole() {
     assert!(whole(&mut reader));
 
     let mut fold = journal::Fold::start(&conn, false).unwrap().unwrap();
-    // The first step reads all 600 rows, and changes nothing.
+    // The first step reads both rows, and changes nothing.
     assert!(!fold.step(&conn).unwrap());
     assert_eq!(fold.events, 300 * 6);
     assert_eq!(stored_runs(&conn, "event_runs").len(), 0);
@@ -779,6 +882,7 @@ fn a_fold_moves_a_few_conversations_per_step_and_reads_stay_whole() {
         // Each conversation's two commits as one run.
         let runs = stored_runs(&conn, "event_runs").len();
         assert_eq!(runs, (k * step).min(299), "after insert step {k}");
+        // The deleted conversation's runs are gone from both rows.
         assert_eq!(stored_runs(&conn, "event_journal").len(), 598);
         assert!(whole(&mut reader), "after insert step {k}");
     }
@@ -937,6 +1041,8 @@ async fn delete_removes_everything() {
     let mut batch = create_batch("c_1", "bob");
     batch.client_msg_ids = vec![("m1".into(), 1)];
     append(&store, batch).await.unwrap();
+    // Nothing of the first c_1 is left, in the journal either.
+    assert_eq!(seqs(&store.events("c_1", 0, 10).await.unwrap()), [1]);
     // Appending to a deleted conversation is refused.
     assert!(store.delete("c_2").await.unwrap());
     let r = append(
@@ -1027,15 +1133,11 @@ async fn prune_deletes_old_events_only() {
     .await
     .unwrap();
     let runs = || {
-        Connection::open(store.path())
-            .unwrap()
-            .query_row(
-                "SELECT (SELECT count(*) FROM event_runs) + \
-                 (SELECT count(*) FROM event_journal)",
-                [],
-                |r| r.get::<_, i64>(0),
-            )
-            .unwrap()
+        let conn = Connection::open(store.path()).unwrap();
+        let in_runs: i64 = conn
+            .query_row("SELECT count(*) FROM event_runs", [], |r| r.get(0))
+            .unwrap();
+        in_runs + journal_runs(&conn).len() as i64
     };
     assert!(runs() > PRUNE_CHUNK, "{}", runs());
     let before = UNIX_EPOCH + Duration::from_secs(old + 10 * day);
@@ -1262,6 +1364,54 @@ fn a_run_reads_back_exactly_what_was_written() {
         .map(|ev| (ev.seq(), ev.ts(), ev.kind(), ev.data()))
         .collect();
     assert_eq!(read, events);
+}
+
+#[test]
+fn each_conversation_reads_only_its_own_runs_from_a_shared_journal_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    let conn = open_writer(&path).unwrap();
+    let mut reader = Connection::open(&path).unwrap();
+    // An id that another one starts with, and one that JSON must escape.
+    let ids = ["c_1", "c_10", "c_\"q\\"];
+    for id in ids {
+        put_conversation(&conn, id);
+    }
+    // Two commits, each one row holding a run of every conversation; c_10
+    // has one event more in each.
+    for round in 0..2_u64 {
+        let runs: Vec<_> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let n = if i == 1 { 3 } else { 2 };
+                (*id, round * n + 1..=round * n + n)
+            })
+            .collect();
+        put_commit(&conn, &runs);
+    }
+    assert_eq!(stored_runs(&conn, "event_journal").len(), 6);
+    for (i, id) in ids.iter().enumerate() {
+        let head = if i == 1 { 6 } else { 4 };
+        let all: Vec<u64> = (1..=head).collect();
+        let members = JournalMembers::anyone();
+        let read = queries::events(&mut reader, &members, id, 0, 100).unwrap();
+        assert_eq!(seqs(&read), all, "{id}");
+        let snapshot = queries::snapshot(&mut reader, &members, id, 3, 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(seqs(&snapshot.tail), all[all.len() - 3..], "{id}");
+        assert_eq!(snapshot.meta.head_seq, head, "{id}");
+    }
+    // The writer's head of each, read from its row and the journal.
+    let known = KnownRows::default();
+    let mut fill = JournalFill::default();
+    for id in ids {
+        fill.added(id, 1, std::time::Instant::now());
+    }
+    let mut touched = Touched::new(&known, &fill, 1);
+    assert_eq!(touched.head(&conn, "c_1").unwrap(), 4);
+    assert_eq!(touched.head(&conn, "c_10").unwrap(), 6);
 }
 
 #[test]
