@@ -435,34 +435,22 @@ pub(super) struct JournalRun {
 
 /// The runs the journal holds of `id` whose last seq is above `above`, in
 /// commit order (which is seq order); `events`: whether their events are
-/// wanted, or only their heads. A commit holds runs of `id` only if its
-/// `runs` contains the id as the writer writes it ([`journal_needle`]), so
-/// only those commits are parsed, and only their events are read (SQLite
-/// reads a column when it is asked for). In the caller's read transaction.
+/// wanted, or only their heads (then no events are read). In the caller's
+/// read transaction.
 pub(super) fn runs_of(
     conn: &Connection,
     id: &str,
     above: u64,
     events: bool,
 ) -> Result<Vec<JournalRun>, StoreError> {
-    let needle = journal_needle(id);
-    let mut stmt = conn.prepare_cached("SELECT id, runs, events FROM event_journal ORDER BY id")?;
-    let mut rows = stmt.query([])?;
     let mut found = Vec::new();
-    while let Some(row) = rows.next()? {
-        let runs = row.get_ref(1)?.as_str()?;
-        if !runs.contains(needle.as_str()) {
-            continue;
-        }
+    for_each_commit_holding(conn, id, |_, entries, row| {
         let blob = if events {
             row.get_ref(2)?.as_blob()?
         } else {
             &[]
         };
-        for entry in journal_entries(row.get(0)?, runs)? {
-            if *entry.0 != *id || entry.2 <= above {
-                continue;
-            }
+        for entry in entries.iter().filter(|e| *e.0 == *id && e.2 > above) {
             found.push(JournalRun {
                 last_seq: entry.2,
                 max_ts: entry.5.clone().into_owned(),
@@ -473,8 +461,36 @@ pub(super) fn runs_of(
                 },
             });
         }
-    }
+        Ok(())
+    })?;
     Ok(found)
+}
+
+/// Calls `each` with every commit of the journal that holds runs of `id`,
+/// in commit order: its row id, its index's entries, and the row (whose
+/// `events`, column 2, SQLite reads only if `each` asks for it). A commit
+/// holds runs of `id` only if its index contains the id as the writer
+/// writes it ([`journal_needle`]), so the others are not parsed.
+fn for_each_commit_holding(
+    conn: &Connection,
+    id: &str,
+    mut each: impl FnMut(i64, &[JournalEntry<'_>], &rusqlite::Row<'_>) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    let needle = journal_needle(id);
+    let mut stmt = conn.prepare_cached("SELECT id, runs, events FROM event_journal ORDER BY id")?;
+    let mut rows = stmt.query([])?;
+    while let Some(row) = rows.next()? {
+        let runs = row.get_ref(1)?.as_str()?;
+        if !runs.contains(needle.as_str()) {
+            continue;
+        }
+        let row_id: i64 = row.get(0)?;
+        let entries = journal_entries(row_id, runs)?;
+        if entries.iter().any(|entry| *entry.0 == *id) {
+            each(row_id, &entries, row)?;
+        }
+    }
+    Ok(())
 }
 
 /// Each conversation's newest seq in the journal, with its time: what
@@ -500,34 +516,20 @@ pub(super) fn heads(conn: &Connection) -> Result<HashMap<String, (u64, String)>,
 }
 
 /// Takes a deleted conversation's runs out of the journal: each commit
-/// that holds some (found as [`runs_of`] finds them) is written again
+/// that holds some is written again
 /// without them, or deleted when it held only theirs. It reads the whole
 /// journal (about a second of commits); deletes are rare.
 pub(super) fn delete_runs_of(conn: &Connection, id: &str) -> Result<(), StoreError> {
-    let needle = journal_needle(id);
     let mut rewritten = Vec::new();
-    {
-        let mut stmt =
-            conn.prepare_cached("SELECT id, runs, events FROM event_journal ORDER BY id")?;
-        let mut rows = stmt.query([])?;
-        while let Some(row) = rows.next()? {
-            let runs = row.get_ref(1)?.as_str()?;
-            if !runs.contains(needle.as_str()) {
-                continue;
-            }
-            let row_id: i64 = row.get(0)?;
-            let entries = journal_entries(row_id, runs)?;
-            if entries.iter().all(|entry| *entry.0 != *id) {
-                continue;
-            }
-            let events = row.get_ref(2)?.as_blob()?;
-            let mut kept = JournalRow::default();
-            for entry in entries.iter().filter(|entry| *entry.0 != *id) {
-                kept.add_entry(entry, entry.events(events)?);
-            }
-            rewritten.push((row_id, kept));
+    for_each_commit_holding(conn, id, |row_id, entries, row| {
+        let events = row.get_ref(2)?.as_blob()?;
+        let mut kept = JournalRow::default();
+        for entry in entries.iter().filter(|entry| *entry.0 != *id) {
+            kept.add_entry(entry, entry.events(events)?);
         }
-    }
+        rewritten.push((row_id, kept));
+        Ok(())
+    })?;
     for (row_id, kept) in rewritten {
         kept.replace(conn, row_id)?;
     }
