@@ -249,6 +249,60 @@ async fn twenty_random_reconnects_during_a_long_stream() {
     server.shutdown().await;
 }
 
+/// While a turn streams, a commit's events go to the live connections from
+/// the store's side (the fanout). A connection that stays attached must see
+/// every seq once and in order while others attach (and join the live
+/// stream), detach (and must be sent nothing after `detached`) and drop,
+/// and the same goes for each of them from where it attached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_sees_every_event_once_while_others_come_and_go() {
+    let server = TestServer::start().await;
+    let mut watcher = server.connect("alice").await;
+    let id = watcher.create().await;
+    watcher.send_message(&id, "/stream 3000 2").await;
+    let mut seen = watcher.events(&id, 20).await;
+    for round in 0..12u64 {
+        let mut other = server.connect("alice").await;
+        let from = seq(seen.last().unwrap()).saturating_sub(round * 7);
+        let attached = other.attach(&id, from).await;
+        assert_eq!(
+            attached["replay_from"],
+            from + 1,
+            "round {round}: {attached}"
+        );
+        let mut segment = other.events(&id, 30).await;
+        if round % 2 == 0 {
+            // Politely: nothing may follow `detached`, which attaching
+            // again on the same connection would show as a gap or a repeat.
+            other
+                .send(json!({"type": "detach", "req": "d", "conversation_id": id}))
+                .await;
+            let (detached, before) = other.recv_until(|f| f["type"] == "detached").await;
+            assert_eq!(detached["reason"], "client", "round {round}: {detached}");
+            segment.extend(before.into_iter().filter(|f| f["type"] == "event"));
+            assert_contiguous(&segment, from + 1);
+            let last = seq(segment.last().unwrap());
+            let again = other.attach(&id, last).await;
+            assert_eq!(again["replay_from"], last + 1, "round {round}: {again}");
+            let more = other.events(&id, 10).await;
+            assert_contiguous(&more, last + 1);
+        } else {
+            assert_contiguous(&segment, from + 1);
+            other.drop_abruptly();
+        }
+        seen.extend(watcher.events(&id, 40).await);
+    }
+    seen.extend(watcher.events_until_turn_finished(&id).await);
+    assert_contiguous(&seen, 1);
+    assert_stream_tokens(&seen, 3000);
+    let stored = server.stored_events(&id, "alice", 0).await;
+    assert_eq!(
+        stored, seen,
+        "the stored history differs from what was sent"
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_client_tool_call_survives_a_disconnect() {
     let server = TestServer::start().await;

@@ -48,6 +48,7 @@ impl State {
             return;
         }
         let conn_id = conn.id;
+        self.leave_fanout(conn_id);
         if let Some(old) = self.attachments.remove(&conn_id) {
             old.stop_replay();
         }
@@ -106,6 +107,8 @@ impl State {
         greeting: Option<Greeting>,
         compact: Option<Compact>,
     ) {
+        // Taken out of the live stream before its round reads the head.
+        self.leave_fanout(conn_id);
         let round = self.rounds.next();
         let to = self.log.committed();
         let from_buffer = self.log.buffer().since(from, to);
@@ -149,13 +152,26 @@ impl State {
         let Some(attachment) = self.attachments.get_mut(&conn_id) else {
             return;
         };
+        let committed = self.log.committed();
         let after = attachment
             .cursor
-            .round_ended(generation, next_seq, self.log.committed());
+            .round_ended(generation, next_seq, committed);
         match after {
             AfterRound::CatchUpFrom(from) => self.spawn_catch_up(myself, conn_id, from, None, None),
-            // No round serves a live cursor: nothing is left to cancel.
-            AfterRound::Live => attachment.cancel = None,
+            AfterRound::Live => {
+                // No round serves a live cursor: nothing is left to cancel.
+                attachment.cancel = None;
+                let joined = match &self.fanout {
+                    Some(fanout) => fanout.join(conn_id, &attachment.conn.outbound, committed),
+                    None => true,
+                };
+                if !joined {
+                    // The fanout sent more since this message was taken in:
+                    // another round, over what this connection missed.
+                    self.take_in_commits(myself);
+                    self.spawn_catch_up(myself, conn_id, committed + 1, None, None);
+                }
+            }
             AfterRound::Stale => {}
         }
     }
@@ -174,6 +190,7 @@ impl State {
     }
 
     pub(super) fn remove_attachment(&mut self, conn_id: ConnId) -> Option<Box<Attachment>> {
+        self.leave_fanout(conn_id);
         let attachment = self.attachments.remove(&conn_id)?;
         attachment.stop_replay();
         self.last_activity = Instant::now();

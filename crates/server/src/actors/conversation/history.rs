@@ -1,9 +1,13 @@
 //! The write-before-send path as I/O: handing the log's batch to the
 //! store, and on commit sending what the log released to every live
-//! attachment and to the replies that waited for it. What is assigned,
-//! written and committed is the log's (`log.rs`).
+//! attachment and to the replies that waited for it; while a turn runs,
+//! the store's commit callback sends to the live attachments itself
+//! through the fanout (`fanout.rs`), and the actor takes in what it sent.
+//! What is assigned, written and committed is the log's (`log.rs`).
 
+use super::fanout::{Commit, Dropped, News};
 use super::*;
+use crate::event::EventRecord;
 
 impl State {
     /// Assigns the next seq to an event and adds it to the batch.
@@ -44,9 +48,24 @@ impl State {
         };
         let me = myself.clone();
         let (upto, credits, epoch) = (write.upto, write.credits, write.epoch);
+        // While a turn streams, the commit is sent from the store's side
+        // (`fanout.rs`); the actor hears of it only when something waits.
+        let fast = self.fanout.clone().map(|fanout| {
+            let events = batch.events.clone();
+            (fanout, events, self.credits.clone())
+        });
         self.store.append(
             batch,
             Box::new(move |result| {
+                if let (Ok(()), Some((fanout, events, permits))) = (&result, &fast) {
+                    if let Commit::Sent { wake } = fanout.on_commit(epoch, events, upto) {
+                        permits.add_permits(credits);
+                        if wake {
+                            let _ = me.cast(ConversationMsg::CommitSeen);
+                        }
+                        return;
+                    }
+                }
                 let _ = me.cast(ConversationMsg::Committed {
                     upto,
                     credits,
@@ -57,14 +76,31 @@ impl State {
         );
     }
 
+    /// A commit the fanout did not send (or there is none): its events go
+    /// to every live attachment from here.
     pub(super) fn on_committed(&mut self, myself: &ActorRef<ConversationMsg>, upto: u64) {
         let cap = self.config.get().conversations.replay_buffer_events;
         let released = self.log.commit(upto, cap);
-        let new_events = released.events;
-        m::events_appended(new_events.iter().map(|r| &*r.kind));
-        // The creator hears `created` only now that the conversation exists,
-        // and is then attached like anyone else (its replay sends `created`
-        // first, then the events from seq 1).
+        m::events_appended(released.events.iter().map(|r| &*r.kind));
+        self.attach_creator(myself);
+        if let Some(fanout) = &self.fanout {
+            let dropped = fanout.send_now(&released.events, upto);
+            self.deal_with_dropped(myself, dropped);
+        } else {
+            self.send_live(myself, &released.events);
+        }
+        for reply in released.replies {
+            self.reply_to(reply.conn, &reply.frame);
+        }
+    }
+
+    /// The creator hears `created` only once the conversation exists (its
+    /// first commit), and is then attached like anyone else (its replay
+    /// sends `created` first, then the events from seq 1).
+    fn attach_creator(&mut self, myself: &ActorRef<ConversationMsg>) {
+        if self.log.committed() == 0 {
+            return;
+        }
         if let Some(creator) = self.pending_creator.take() {
             self.attach(
                 myself,
@@ -78,35 +114,120 @@ impl State {
                 },
             );
         }
-        let mut fallen_behind = Vec::new();
-        let mut gone = Vec::new();
+    }
+
+    /// Sends newly committed events to every live attachment (no fanout).
+    fn send_live(&mut self, myself: &ActorRef<ConversationMsg>, events: &[Arc<EventRecord>]) {
+        let mut dropped = Vec::new();
         for (conn_id, attachment) in &self.attachments {
             if !attachment.cursor.is_live() {
                 continue;
             }
-            for record in &new_events {
-                match attachment.conn.outbound.try_send(record.frame.clone()) {
-                    Ok(()) => {}
-                    Err(QueueError::Full) => {
-                        fallen_behind.push((*conn_id, record.seq));
-                        break;
-                    }
-                    Err(QueueError::Closed) => {
-                        gone.push(*conn_id);
-                        break;
-                    }
+            for record in events {
+                if let Err(e) = attachment.conn.outbound.try_send(record.frame.clone()) {
+                    dropped.push(Dropped {
+                        conn: *conn_id,
+                        from: record.seq,
+                        gone: e == QueueError::Closed,
+                    });
+                    break;
                 }
             }
         }
-        for conn_id in gone {
-            self.remove_attachment(conn_id);
+        self.deal_with_dropped(myself, dropped);
+    }
+
+    /// Live attachments that could not be sent an event: a closed
+    /// connection is detached, a full one catches up from the log.
+    fn deal_with_dropped(&mut self, myself: &ActorRef<ConversationMsg>, dropped: Vec<Dropped>) {
+        for Dropped { conn, from, gone } in dropped {
+            let live = self.attachments.get(&conn).map(|a| a.cursor.is_live());
+            match (live, gone) {
+                (Some(true), true) => {
+                    self.remove_attachment(conn);
+                }
+                (Some(true), false) => {
+                    debug!(conversation = %self.id, connection = conn, from, "connection fell behind; catching up from the log");
+                    self.spawn_catch_up(myself, conn, from, None, None);
+                }
+                // Detached or attached again since: its own cursor rules.
+                _ => {}
+            }
         }
-        for (conn_id, from) in fallen_behind {
-            debug!(conversation = %self.id, connection = conn_id, from, "connection fell behind; catching up from the log");
-            self.spawn_catch_up(myself, conn_id, from, None, None);
+    }
+
+    /// Takes in what the fanout sent since the last look: those events
+    /// are committed (into the replay buffer), the replies that waited on
+    /// them go out, and connections it could not send to are dealt with.
+    pub(super) fn take_in_commits(&mut self, myself: &ActorRef<ConversationMsg>) {
+        let Some(news) = self.fanout.as_ref().map(|fanout| fanout.news()) else {
+            return;
+        };
+        self.take_in(myself, news);
+    }
+
+    fn take_in(&mut self, myself: &ActorRef<ConversationMsg>, news: News) {
+        if news.sent > self.log.committed() {
+            let cap = self.config.get().conversations.replay_buffer_events;
+            let released = self.log.commit(news.sent, cap);
+            m::events_appended(released.events.iter().map(|r| &*r.kind));
+            self.attach_creator(myself);
+            for reply in released.replies {
+                self.reply_to(reply.conn, &reply.frame);
+            }
         }
-        for reply in released.replies {
-            self.reply_to(reply.conn, &reply.frame);
+        self.deal_with_dropped(myself, news.dropped);
+    }
+
+    /// Opens the fanout when a turn streams, closes it otherwise: called
+    /// after each message, before the batch is handed to the store.
+    pub(super) fn settle_fanout(&mut self, myself: &ActorRef<ConversationMsg>) {
+        let wanted = self.turn.is_some() && self.stopping.is_none() && self.store_failure.is_none();
+        match (&self.fanout, wanted) {
+            (None, true) => {
+                // Every live attachment was sent everything committed, by
+                // this actor: the fanout starts from there.
+                let conns = self
+                    .attachments
+                    .iter()
+                    .filter(|(_, a)| a.cursor.is_live())
+                    .map(|(id, a)| (*id, a.conn.outbound.clone()))
+                    .collect();
+                self.fanout = Some(Fanout::new(conns, self.log.committed(), self.log.epoch()));
+            }
+            (Some(_), false) => self.close_fanout(myself),
+            _ => {}
+        }
+    }
+
+    /// Closes the fanout (if open) and takes in what it sent: from here
+    /// the actor handles every commit. Before anything that must see each
+    /// commit (a stop, a failure) or discards what is in flight.
+    pub(super) fn close_fanout(&mut self, myself: &ActorRef<ConversationMsg>) {
+        if let Some(fanout) = self.fanout.take() {
+            let news = fanout.close();
+            self.take_in(myself, news);
+        }
+    }
+
+    /// Asks the fanout to wake the actor at the next commit when something
+    /// here waits on it: a batch to hand over, a reply, a creator.
+    pub(super) fn wake_on_commit(&mut self, myself: &ActorRef<ConversationMsg>) {
+        let Some(fanout) = &self.fanout else {
+            return;
+        };
+        let wake = self.log.batch_len() > 0
+            || self.log.has_waiting_replies()
+            || self.pending_creator.is_some();
+        if fanout.wake_on_commit(wake, self.log.committed()) {
+            let _ = myself.cast(ConversationMsg::CommitSeen);
+        }
+    }
+
+    /// A live attachment stops being sent commits by the fanout.
+    pub(super) fn leave_fanout(&self, conn: ConnId) {
+        if let Some(fanout) = &self.fanout {
+            fanout.leave(conn);
         }
     }
 }

@@ -34,6 +34,8 @@ impl State {
         if self.stopping.is_some() {
             return;
         }
+        // The stop's commits must each reach the actor (the last one ends it).
+        self.close_fanout(myself);
         self.cancel_timers();
         // Set first: ending the turn must not start a queued one. Queued
         // messages stay recorded and run when the conversation comes back.
@@ -57,6 +59,7 @@ impl State {
             return;
         };
         let detach_reason = reason.detach_reason();
+        self.close_fanout(myself);
         for (_, attachment) in self.attachments.drain() {
             attachment.stop_replay();
             self.departed.push(attachment.conn.clone());

@@ -129,6 +129,16 @@ impl Log {
         self.batch.events.len()
     }
 
+    /// The current epoch (see [`Log::discard`]).
+    pub(super) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Replies wait for a commit.
+    pub(super) fn has_waiting_replies(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
     /// Nothing handed to the store waits for its outcome.
     pub(super) fn nothing_in_flight(&self) -> bool {
         self.in_flight.is_empty()

@@ -1,6 +1,7 @@
 //! The conversation actor: the single writer of one conversation's history.
 //! It assigns seq, hands events to the store, and delivers each one to the
-//! attached connections once the store has committed it. It owns the turn
+//! attached connections once the store has committed it (while a turn
+//! runs, the store's commit callback delivers through the actor's fanout). It owns the turn
 //! runner (an [`AgentSession`]), the replay buffer, the attachments, the
 //! pending client tool calls, the message queue, and the timers of its own
 //! lifecycle rules (detach grace, idle close, turn timeout).
@@ -14,6 +15,7 @@
 mod attachments;
 mod control;
 mod cursor;
+mod fanout;
 mod history;
 mod lifecycle;
 mod log;
@@ -25,6 +27,7 @@ mod turns;
 
 use attachments::AttachAsk;
 use cursor::{Cursor, Rounds};
+use fanout::Fanout;
 use log::{DeferredReply, Log};
 use msg_ids::MsgIdLedger;
 use rule_timer::RuleTimer;
@@ -109,6 +112,9 @@ pub enum ConversationMsg {
         epoch: u64,
         result: Result<(), crate::store::StoreError>,
     },
+    /// A commit that the live fanout sent, while something waits on it
+    /// here (`fanout.rs`): the actor takes it in.
+    CommitSeen,
     /// After a store failure: time to see whether writes work again.
     RetryStore,
     /// After a store failure: the committed state, read back to go on from.
@@ -278,6 +284,9 @@ pub struct State {
     /// Boxed: the map reserves room for several entries at its first
     /// insert, and most conversations have one attachment or none.
     attachments: HashMap<ConnId, Box<Attachment>>,
+    /// While a turn runs: the live attachments' queues, which the store's
+    /// commit callback sends to directly (`fanout.rs`).
+    fanout: Option<Arc<Fanout>>,
     /// Numbers the attachments' catch-up rounds.
     rounds: Rounds,
     turn: Option<Box<Turn>>,
@@ -358,6 +367,7 @@ impl Actor for Conversation {
             credits,
             log: Log::new(args.id.clone()),
             attachments: HashMap::new(),
+            fanout: None,
             rounds: Rounds::default(),
             turn: None,
             queue: VecDeque::new(),
@@ -440,6 +450,8 @@ impl Actor for Conversation {
         message: ConversationMsg,
         state: &mut Box<State>,
     ) -> Result<(), ActorProcessingErr> {
+        // Before anything reads the log: what the fanout sent is committed.
+        state.take_in_commits(&myself);
         if state.refuse_read_only(&message) {
             return Ok(());
         }
@@ -515,6 +527,8 @@ impl Actor for Conversation {
                     }
                 }
             }
+            // Taken in above; the batch that waited on it goes below.
+            ConversationMsg::CommitSeen => {}
             ConversationMsg::RetryStore => state.retry_store(&myself),
             ConversationMsg::Reloaded(result) => {
                 if state.on_reloaded(&myself, result) {
@@ -541,6 +555,7 @@ impl Actor for Conversation {
             }
             ConversationMsg::Proxy(_) => {}
         }
+        state.settle_fanout(&myself);
         // One write in flight at a time, unless the batch is full: paced
         // output goes at once, and a burst gathers while the write before
         // it commits (this used to be a `Flush` message sent to itself,
@@ -551,6 +566,7 @@ impl Actor for Conversation {
         {
             state.flush(&myself);
         }
+        state.wake_on_commit(&myself);
         if state.stopping.is_none() {
             state.rearm_timers(&myself);
         }

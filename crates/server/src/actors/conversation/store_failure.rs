@@ -44,7 +44,7 @@ impl State {
             "store append failed: discarding what was not committed");
         let message =
             format!("the store cannot write ({error}); nothing after seq {committed} was recorded");
-        self.discard_uncommitted(&message);
+        self.discard_uncommitted(myself, &message);
 
         // Nothing of the conversation exists: the creator is told so and
         // the actor goes (the supervisor forgets it as for any stop).
@@ -90,7 +90,7 @@ impl State {
         warn!(conversation = %self.id, user = %self.user, committed = self.log.committed(), why,
             "the conversation moved to another node: stopping it here without writing");
         let message = format!("this node no longer owns the conversation ({why})");
-        self.discard_uncommitted(&message);
+        self.discard_uncommitted(myself, &message);
         self.refuse_creator(myself, &message);
         self.cancel_timers();
         if let Some(turn) = self.turn.take() {
@@ -136,7 +136,10 @@ impl State {
     }
 
     /// Drops every event not committed and answers whoever waited on one.
-    fn discard_uncommitted(&mut self, message: &str) {
+    fn discard_uncommitted(&mut self, myself: &ActorRef<ConversationMsg>, message: &str) {
+        // What the fanout sent is committed and must not be discarded; from
+        // here every outcome reaches the actor.
+        self.close_fanout(myself);
         let discarded = self.log.discard();
         self.credits.add_permits(discarded.credits);
         for reply in discarded.replies {
