@@ -181,24 +181,36 @@ impl Fanout {
 impl Live {
     fn send(&mut self, events: &[Arc<EventRecord>], upto: u64) {
         let Live { conns, dropped, .. } = self;
-        conns.retain(|(conn, outbound)| {
-            for event in events {
-                match outbound.try_send(event.frame.clone()) {
-                    Ok(()) => {}
-                    Err(e) => {
-                        dropped.push(Dropped {
-                            conn: *conn,
-                            from: event.seq,
-                            gone: e == QueueError::Closed,
-                        });
-                        return false;
-                    }
+        conns.retain(
+            |(conn, outbound)| match send_events(*conn, outbound, events) {
+                Some(d) => {
+                    dropped.push(d);
+                    false
                 }
-            }
-            true
-        });
+                None => true,
+            },
+        );
         self.sent = upto;
     }
+}
+
+/// Queues `events` for one live connection, in order; stops at the first
+/// it cannot take (the fanout's and the actor's sends alike).
+pub(super) fn send_events(
+    conn: ConnId,
+    outbound: &Outbound,
+    events: &[Arc<EventRecord>],
+) -> Option<Dropped> {
+    events.iter().find_map(|event| {
+        outbound
+            .try_send(event.frame.clone())
+            .err()
+            .map(|e| Dropped {
+                conn,
+                from: event.seq,
+                gone: e == QueueError::Closed,
+            })
+    })
 }
 
 #[cfg(test)]

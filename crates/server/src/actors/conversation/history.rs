@@ -5,7 +5,7 @@
 //! through the fanout (`fanout.rs`), and the actor takes in what it sent.
 //! What is assigned, written and committed is the log's (`log.rs`).
 
-use super::fanout::{Commit, Dropped, News};
+use super::fanout::{send_events, Commit, Dropped, News};
 use super::*;
 use crate::event::EventRecord;
 
@@ -118,22 +118,12 @@ impl State {
 
     /// Sends newly committed events to every live attachment (no fanout).
     fn send_live(&mut self, myself: &ActorRef<ConversationMsg>, events: &[Arc<EventRecord>]) {
-        let mut dropped = Vec::new();
-        for (conn_id, attachment) in &self.attachments {
-            if !attachment.cursor.is_live() {
-                continue;
-            }
-            for record in events {
-                if let Err(e) = attachment.conn.outbound.try_send(record.frame.clone()) {
-                    dropped.push(Dropped {
-                        conn: *conn_id,
-                        from: record.seq,
-                        gone: e == QueueError::Closed,
-                    });
-                    break;
-                }
-            }
-        }
+        let dropped = self
+            .attachments
+            .iter()
+            .filter(|(_, a)| a.cursor.is_live())
+            .filter_map(|(id, a)| send_events(*id, &a.conn.outbound, events))
+            .collect();
         self.deal_with_dropped(myself, dropped);
     }
 

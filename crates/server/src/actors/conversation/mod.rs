@@ -49,7 +49,6 @@ use tracing::{debug, info, warn};
 
 use super::connection::{ConnId, ConnectionHandle};
 use super::gauge::{ConversationGauge, Holding, TurnStamp};
-use super::outbound::QueueError;
 use super::replay::{Compact, Replay};
 use super::supervision_log::{NewDecision, SupervisionLog};
 use super::supervisor::SupervisorMsg;
@@ -580,6 +579,11 @@ impl Actor for Conversation {
         state: &mut Box<State>,
     ) -> Result<(), ActorProcessingErr> {
         state.session.close();
+        // However it stopped, a write still in flight sends nothing more
+        // from here: its connections were (or are being) told it stopped.
+        if let Some(fanout) = state.fanout.take() {
+            fanout.close();
+        }
         for attachment in state.attachments.values() {
             attachment.stop_replay();
         }
