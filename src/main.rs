@@ -12,6 +12,7 @@ use linger::config::Config;
 use linger::reload::{ConfigSource, Reloader, Trigger};
 use linger::server::{Server, Setup};
 
+mod allocator;
 mod cli;
 
 #[derive(Parser)]
@@ -159,8 +160,15 @@ fn client(result: anyhow::Result<()>) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    allocator::tune();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config_path = match cli.command {
         Some(Command::Bench(args)) => return linger_bench::run(args).await,

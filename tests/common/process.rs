@@ -91,6 +91,23 @@ impl ServerProcess {
         process
     }
 
+    /// Its peak and current resident memory (`VmHWM`, `VmRSS` in
+    /// `/proc/PID/status`), in KiB.
+    pub fn memory_kib(&self) -> (u64, u64) {
+        let pid = self.pid;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_else(|e| panic!("/proc/{pid}/status: {e}"));
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+        };
+        (field("VmHWM:"), field("VmRSS:"))
+    }
+
     pub fn ws_url(&self, user: &str) -> String {
         format!("ws://{}/v1/ws?token={user}", self.addr)
     }
