@@ -31,20 +31,6 @@ const MEASURED_TURNS: usize = 5;
 /// twice as high.)
 const SLACK_KIB: u64 = 4 * 1024;
 
-/// Reads `id`'s events until `turn_finished`, checking that their seqs go
-/// on from `next` without keeping them. Returns the seq after the last.
-async fn read_turn(client: &mut Client, id: &str, mut next: u64) -> u64 {
-    loop {
-        let event = client.next_event(id).await;
-        assert_eq!(seq(&event), next, "gap or duplicate: {event}");
-        next += 1;
-        if kind(&event) == "turn_finished" {
-            assert_eq!(event["data"]["status"], "completed", "{event}");
-            return next;
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_turns_one_after_the_other_leave_memory_where_it_was() {
     let (_dir, store) = temp_store();
@@ -64,12 +50,12 @@ async fn long_turns_one_after_the_other_leave_memory_where_it_was() {
     let stream = format!("/stream {TOKENS} 0");
     let mut turn = async |next| {
         laptop.send_message(&id, &stream).await;
-        let (on_laptop, on_phone) = tokio::join!(
-            read_turn(&mut laptop, &id, next),
-            read_turn(&mut phone, &id, next)
-        );
-        assert_eq!(on_laptop, on_phone);
-        on_laptop
+        let (on_laptop, on_phone) =
+            tokio::join!(laptop.read_turn(&id, next), phone.read_turn(&id, next));
+        let (end, _, _, finished) = on_laptop;
+        assert_eq!(finished["data"]["status"], "completed", "{finished}");
+        assert_eq!(end, on_phone.0);
+        end
     };
     for _ in 0..WARM_TURNS {
         next = turn(next).await;

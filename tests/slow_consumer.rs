@@ -8,7 +8,7 @@
 
 mod common;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use common::process::{temp_store, ServerProcess};
 use common::*;
@@ -17,31 +17,6 @@ use common::*;
 /// whatever a client misses (up to about 7 MiB, see below) is well under
 /// a third of what the slow client misses.
 const EVENTS: u64 = 200_000;
-
-/// Reads events of `id` until the next `turn_finished`, checking on the fly
-/// that their seqs go on from `next` (no gap, no duplicate), without keeping
-/// them. Returns the seq after the last one, the number of `text_delta`s,
-/// their total JSON size, and the `turn_finished` event.
-async fn read_turn(client: &mut Client, id: &str, mut next: u64) -> (u64, u64, usize, Value) {
-    let mut deltas = 0;
-    let mut bytes = 0;
-    loop {
-        let event = client.next_event(id).await;
-        assert_eq!(
-            seq(&event),
-            next,
-            "{}: gap or duplicate: {event}",
-            client.user
-        );
-        next += 1;
-        bytes += event.to_string().len();
-        match kind(&event) {
-            "text_delta" => deltas += 1,
-            "turn_finished" => return (next, deltas, bytes, event),
-            _ => {}
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
@@ -65,10 +40,10 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
     let mut warm = 3;
     for _ in 0..2 {
         fast.send_message(&id, &format!("/stream {EVENTS} 0")).await;
-        let (next, deltas, _, _) = read_turn(&mut fast, &id, warm).await;
+        let (next, deltas, _, _) = fast.read_turn(&id, warm).await;
         assert_eq!(deltas, EVENTS);
         let from = if warm == 3 { 1 } else { warm };
-        let (caught, _, _, _) = read_turn(&mut slow, &id, from).await;
+        let (caught, _, _, _) = slow.read_turn(&id, from).await;
         assert_eq!(caught, next);
         warm = next;
     }
@@ -77,7 +52,7 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
     // From here on the slow client reads nothing until the turn is over.
     let ack = fast.send_message(&id, &format!("/stream {EVENTS} 0")).await;
     assert_eq!(seq(&ack), warm, "{ack}");
-    let (after_turn, deltas, bytes, finished) = read_turn(&mut fast, &id, warm).await;
+    let (after_turn, deltas, bytes, finished) = fast.read_turn(&id, warm).await;
     assert_eq!(deltas, EVENTS, "the reading client missed deltas");
     assert_eq!(finished["data"]["status"], "completed", "{finished}");
     let (peak_after, rss_after) = server.memory_kib();
@@ -133,8 +108,8 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
             );
             // Caught up, it is live again: the next turn reaches both.
             fast.send_message(&id, "/stream 3 0").await;
-            let (end_fast, _, _, _) = read_turn(&mut fast, &id, after_turn).await;
-            let (end_slow, _, _, _) = read_turn(&mut slow, &id, after_turn).await;
+            let (end_fast, _, _, _) = fast.read_turn(&id, after_turn).await;
+            let (end_slow, _, _, _) = slow.read_turn(&id, after_turn).await;
             assert_eq!(end_fast, end_slow);
         }
         Some(code) => {
@@ -151,7 +126,7 @@ async fn a_client_that_stops_reading_slows_nobody_and_memory_stays_bounded() {
             let mut again = server.connect("alice").await;
             let attached = again.attach(&id, next - 1).await;
             assert_eq!(attached["replay_from"], next, "{attached}");
-            let (end, _, _, _) = read_turn(&mut again, &id, next).await;
+            let (end, _, _, _) = again.read_turn(&id, next).await;
             assert_eq!(end, after_turn);
         }
     }
@@ -176,7 +151,7 @@ async fn a_client_that_reads_nothing_for_its_patience_is_closed_with_4008() {
     // 20,000 events (about 4 MB) fill the slow client's socket buffers and
     // queue many times over.
     fast.send_message(&id, "/stream 20000 0").await;
-    let (after_turn, _, _, _) = read_turn(&mut fast, &id, 3).await;
+    let (after_turn, _, _, _) = fast.read_turn(&id, 3).await;
     // The server gives up on the slow client after its patience without
     // progress: wait for it to say so (no client reads meanwhile).
     let line = server.wait_for_log_within(std::time::Duration::from_secs(90), |l| {
@@ -207,7 +182,7 @@ async fn a_client_that_reads_nothing_for_its_patience_is_closed_with_4008() {
     );
     // The other client and the conversation are fine.
     fast.send_message(&id, "/stream 3 0").await;
-    let (end, deltas, _, _) = read_turn(&mut fast, &id, after_turn).await;
+    let (end, deltas, _, _) = fast.read_turn(&id, after_turn).await;
     assert_eq!(deltas, 3);
     let mut again = server.connect("alice").await;
     let attached = again.attach(&id, next - 1).await;

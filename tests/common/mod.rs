@@ -522,6 +522,31 @@ impl Client {
         }
     }
 
+    /// Reads events of `id` until the next `turn_finished`, checking on the fly
+    /// that their seqs go on from `next` (no gap, no duplicate), without keeping
+    /// them. Returns the seq after the last one, the number of `text_delta`s,
+    /// their total JSON size, and the `turn_finished` event.
+    pub async fn read_turn(&mut self, id: &str, mut next: u64) -> (u64, u64, usize, Value) {
+        let mut deltas = 0;
+        let mut bytes = 0;
+        loop {
+            let event = self.next_event(id).await;
+            assert_eq!(
+                seq(&event),
+                next,
+                "{}: gap or duplicate: {event}",
+                self.user
+            );
+            next += 1;
+            bytes += event.to_string().len();
+            match kind(&event) {
+                "text_delta" => deltas += 1,
+                "turn_finished" => return (next, deltas, bytes, event),
+                _ => {}
+            }
+        }
+    }
+
     /// Drops the connection without a close frame: the TCP stream just goes
     /// away, as when a laptop lid closes or a network drops.
     pub fn drop_abruptly(self) {

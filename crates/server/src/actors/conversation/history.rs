@@ -6,6 +6,7 @@
 //! What is assigned, written and committed is the log's (`log.rs`).
 
 use super::fanout::{send_events, Commit, Dropped, News};
+use super::log::Released;
 use super::*;
 use crate::event::EventRecord;
 
@@ -79,10 +80,7 @@ impl State {
     /// A commit the fanout did not send (or there is none): its events go
     /// to every live attachment from here.
     pub(super) fn on_committed(&mut self, myself: &ActorRef<ConversationMsg>, upto: u64) {
-        let cap = self.config.get().conversations.replay_buffer_events;
-        let released = self.log.commit(upto, cap);
-        m::events_appended(released.events.iter().map(|r| &*r.kind));
-        self.attach_creator(myself);
+        let released = self.commit_upto(myself, upto);
         if let Some(fanout) = &self.fanout {
             let dropped = fanout.send_now(&released.events, upto);
             self.deal_with_dropped(myself, dropped);
@@ -92,6 +90,17 @@ impl State {
         for reply in released.replies {
             self.reply_to(reply.conn, &reply.frame);
         }
+    }
+
+    /// The log's commit up to `upto`, counted, with the creator attached
+    /// once the conversation exists: what it released is the caller's to
+    /// send (events first, then the replies that waited on them).
+    fn commit_upto(&mut self, myself: &ActorRef<ConversationMsg>, upto: u64) -> Released {
+        let cap = self.config.get().conversations.replay_buffer_events;
+        let released = self.log.commit(upto, cap);
+        m::events_appended(released.events.iter().map(|r| &*r.kind));
+        self.attach_creator(myself);
+        released
     }
 
     /// The creator hears `created` only once the conversation exists (its
@@ -158,10 +167,8 @@ impl State {
 
     fn take_in(&mut self, myself: &ActorRef<ConversationMsg>, news: News) {
         if news.sent > self.log.committed() {
-            let cap = self.config.get().conversations.replay_buffer_events;
-            let released = self.log.commit(news.sent, cap);
-            m::events_appended(released.events.iter().map(|r| &*r.kind));
-            self.attach_creator(myself);
+            // Its events went out from the fanout already.
+            let released = self.commit_upto(myself, news.sent);
             for reply in released.replies {
                 self.reply_to(reply.conn, &reply.frame);
             }
