@@ -18,7 +18,7 @@ const TOKENS: u64 = 300_000;
 
 /// Turns run before the baseline is taken: they bring the store's page
 /// cache and the allocator's heaps to their working size.
-const WARM_TURNS: usize = 2;
+const WARM_TURNS: usize = 3;
 
 /// Turns run after the baseline.
 const MEASURED_TURNS: usize = 5;
@@ -72,5 +72,107 @@ async fn long_turns_one_after_the_other_leave_memory_where_it_was() {
         most <= baseline + SLACK_KIB,
         "the server's resident memory grew from {baseline} KiB to {most} KiB over \
          {MEASURED_TURNS} turns of {TOKENS} tokens (after each: {resident:?})"
+    );
+}
+
+/// Clients attached while large events go out: they and the laptop are 25
+/// of the user's 32 connections.
+const WATCHERS: usize = 24;
+
+/// The output of the tool each large turn calls: the demo agent records it
+/// (`tool_result`) and returns it (`assistant_message`), so a turn sends
+/// each client two events of about this size.
+const TOOL_OUTPUT_BYTES: usize = 900_000;
+
+/// Large turns run before the baseline: each records about 1.8 MB, and
+/// the store's page cache and the replay buffer fill up to their bounds.
+const LARGE_WARM_TURNS: usize = 16;
+
+/// How much the resident memory may grow while the watchers are sent
+/// large turns. A connection's write buffer keeps the capacity it grew to:
+/// written whole, each large event grew every watcher's to its size (about
+/// 21 MiB or more for the 24), while in fragments it stays within 64 KiB
+/// (at most 1.5 MiB for the 24).
+const WATCHERS_SLACK_KIB: u64 = 8 * 1024;
+
+/// Runs one turn of `/ask`, answered by `laptop` with a large output;
+/// returns the seq after the laptop's `tool_call`.
+async fn ask_large(laptop: &mut Client, id: &str, mut next: u64) -> u64 {
+    laptop.send_message(id, "/ask fetch").await;
+    let call_id = loop {
+        let event = laptop.next_event(id).await;
+        assert_eq!(seq(&event), next, "gap or duplicate: {event}");
+        next += 1;
+        if kind(&event) == "tool_call" {
+            break event["data"]["call_id"].clone();
+        }
+    };
+    let output = "o".repeat(TOOL_OUTPUT_BYTES);
+    let reply = laptop
+        .request(
+            serde_json::json!({"type": "tool_result", "conversation_id": id,
+            "call_id": call_id, "output": output}),
+        )
+        .await;
+    assert_eq!(reply["type"], "ack", "tool_result: {}", reply["type"]);
+    next
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_sent_large_events_keep_no_copy_of_them() {
+    let (_dir, store) = temp_store();
+    let server = ServerProcess::spawn(&store, "");
+    let mut laptop = server.connect("alice").await;
+    let id = laptop.create().await;
+    let opening = laptop.events(&id, 2).await;
+    assert_contiguous(&opening, 1);
+    let mut next = 3;
+
+    // The laptop alone first: the store's page cache (16 MiB), the replay
+    // buffer (8 MiB) and the heaps reach the size that large events need.
+    for _ in 0..LARGE_WARM_TURNS {
+        let after_call = ask_large(&mut laptop, &id, next).await;
+        let (end, _, bytes, finished) = laptop.read_turn(&id, after_call).await;
+        assert_eq!(finished["data"]["status"], "completed", "{finished}");
+        assert!(bytes > 2 * TOOL_OUTPUT_BYTES, "{bytes} bytes");
+        next = end;
+    }
+    let mut watchers = Vec::with_capacity(WATCHERS);
+    for _ in 0..WATCHERS {
+        let mut watcher = server.connect("alice").await;
+        let attached = watcher.attach_with(&id, next - 1, "observe").await;
+        assert_eq!(attached["replay_from"], next, "{attached}");
+        watchers.push(watcher);
+    }
+    let (_, baseline) = server.memory_kib();
+    let mut resident = Vec::new();
+    for _ in 0..MEASURED_TURNS {
+        let after_call = ask_large(&mut laptop, &id, next).await;
+        let reads = watchers.iter_mut().map(|w| w.read_turn(&id, next));
+        let (on_laptop, on_watchers) = tokio::join!(
+            laptop.read_turn(&id, after_call),
+            futures_util::future::join_all(reads)
+        );
+        for (end, _, bytes, finished) in on_watchers {
+            assert_eq!(finished["data"]["status"], "completed", "{finished}");
+            assert_eq!(end, on_laptop.0);
+            assert!(bytes > 2 * TOOL_OUTPUT_BYTES, "{bytes} bytes");
+        }
+        next = on_laptop.0;
+        resident.push(server.memory_kib().1);
+    }
+    println!(
+        "resident KiB with {WATCHERS} watchers: {baseline}, then after each turn: {resident:?}"
+    );
+    // What the buffers keep stays from the first turn on, so it shows in
+    // every sample; the least of them leaves out a transient that one
+    // sample may catch (a fold of the journal moving these events, up to
+    // 8 MiB of them).
+    let least = resident.iter().copied().min().unwrap_or(baseline);
+    assert!(
+        least <= baseline + WATCHERS_SLACK_KIB,
+        "the server's resident memory grew from {baseline} KiB to at least {least} KiB \
+         while {WATCHERS} clients were sent {MEASURED_TURNS} turns of large events \
+         (after each: {resident:?})"
     );
 }

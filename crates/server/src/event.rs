@@ -6,9 +6,9 @@ use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
 
-use axum::extract::ws::Utf8Bytes;
 use serde::Serialize;
 use serde_json::Value;
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 
 use crate::protocol::StopReason;
 

@@ -13,8 +13,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::ws::Utf8Bytes;
 use ractor::ActorRef;
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 

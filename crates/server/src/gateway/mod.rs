@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod auth;
 pub mod connections;
+mod fragment;
 pub mod openapi;
 pub mod rest;
 pub mod web;

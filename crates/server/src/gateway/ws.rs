@@ -1,6 +1,9 @@
 //! `/v1/ws`: authenticates, upgrades, and serves one socket: its task reads
 //! frames and hands each to the socket's [`Connection`], and a writer task
 //! owns the socket's write half and drains the outbound queue.
+//!
+//! The upgrade gives a tokio-tungstenite stream rather than axum's socket,
+//! whose messages cannot be written as fragments (see [`super::fragment`]).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -9,17 +12,22 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
 use axum::response::Response;
 use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, Stream, StreamExt};
+use hyper_tungstenite::HyperWebsocketStream as WebSocket;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{self, Message, Utf8Bytes};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::auth::Caller;
 use super::connections::Slot;
+use super::fragment::{Fragments, FRAGMENT_BYTES};
 use super::rest;
 use super::AppState;
 use crate::actors::connection::{Connection, ConnectionArgs};
@@ -42,6 +50,12 @@ const READ_BUFFER_BYTES: usize = 1024;
 /// Most frames written with one flush (one system call) when several are
 /// queued: a replay or a burst goes out in a few writes, not one per event.
 const WRITE_BATCH: usize = 64;
+/// The websocket library's write buffer: frames gather in it until it holds
+/// this much, then go to the socket. A batch of small events (64 of a few
+/// hundred bytes) fits, so it is still one write. The buffer keeps the
+/// capacity it grew to, which messages sent in fragments bound: at most
+/// this plus one fragment.
+const WRITE_BUFFER_BYTES: usize = 32 * 1024;
 /// How long the 4008 close of a slow consumer may take to go out: its socket
 /// buffers are full, so the close frame reaches it only once it reads again.
 /// Its queued frames are dropped first, so this holds only the socket.
@@ -56,15 +70,16 @@ const SLOW_CLOSE_PATIENCE: Duration = Duration::from_secs(15);
             body = super::openapi::ErrorBody),
         (status = 403, description = "A browser Origin not in server.allowed_origins",
             body = super::openapi::ErrorBody),
+        (status = 426, description = "Not a websocket upgrade request",
+            body = super::openapi::ErrorBody),
     ))]
 pub async fn upgrade(
     State(app): State<AppState>,
     caller: Caller,
-    headers: HeaderMap,
-    ws: WebSocketUpgrade,
+    mut request: Request,
 ) -> Response {
     let config = app.config.get();
-    if let Some(origin) = headers.get(header::ORIGIN) {
+    if let Some(origin) = request.headers().get(header::ORIGIN) {
         let allowed = &config.server.allowed_origins;
         let origin = origin.to_str().unwrap_or("");
         if !allowed.is_empty() && !allowed.iter().any(|a| a == origin) {
@@ -76,28 +91,50 @@ pub async fn upgrade(
             );
         }
     }
-    let max = config.limits.max_frame_bytes;
-    let slot = app
-        .connections
-        .acquire(&caller.user, config.limits.max_connections_per_user);
+    if !hyper_tungstenite::is_upgrade_request(&request) {
+        return rest::error_response(
+            StatusCode::UPGRADE_REQUIRED,
+            "bad_request",
+            "/v1/ws takes a websocket upgrade (Connection: Upgrade, Upgrade: websocket)",
+        );
+    }
     // The library's own limit is twice ours: a frame somewhat over the limit
     // is read whole and answered with a clean 1009 close; only a far larger
     // one is cut off mid-read.
-    let hard_max = max.saturating_mul(2);
-    let sockets = app.sockets.clone();
-    ws.max_message_size(hard_max)
-        .max_frame_size(hard_max)
+    let hard_max = config.limits.max_frame_bytes.saturating_mul(2);
+    let socket_config = WebSocketConfig::default()
+        .max_message_size(Some(hard_max))
+        .max_frame_size(Some(hard_max))
         .read_buffer_size(READ_BUFFER_BYTES)
-        .on_upgrade(move |socket| {
-            sockets.track_future(async move {
-                match slot {
-                    Some(slot) => serve(socket, app, caller, slot).await,
-                    // Boxed: the task of every connection would otherwise
-                    // be as large as this rare path's future too.
-                    None => Box::pin(refuse_too_many(socket, &app)).await,
-                }
-            })
-        })
+        .write_buffer_size(WRITE_BUFFER_BYTES);
+    let (response, upgraded) = match hyper_tungstenite::upgrade(&mut request, Some(socket_config)) {
+        Ok(upgrade) => upgrade,
+        Err(e) => {
+            debug!(user = %caller.user, error = %e, "websocket upgrade refused");
+            return rest::error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
+        }
+    };
+    let slot = app
+        .connections
+        .acquire(&caller.user, config.limits.max_connections_per_user);
+    let sockets = app.sockets.clone();
+    tokio::spawn(sockets.track_future(async move {
+        // Resolves once the 101 response has gone out.
+        let socket = match upgraded.await {
+            Ok(socket) => socket,
+            Err(e) => {
+                debug!(user = %caller.user, error = %e, "websocket upgrade failed");
+                return;
+            }
+        };
+        match slot {
+            Some(slot) => serve(socket, app, caller, slot).await,
+            // Boxed: the task of every connection would otherwise be as
+            // large as this rare path's future too.
+            None => Box::pin(refuse_too_many(socket, &app)).await,
+        }
+    }));
+    response.map(Body::new)
 }
 
 /// The user has `max_connections_per_user` sockets open: say so, then close.
@@ -113,7 +150,7 @@ async fn refuse_too_many(mut socket: WebSocket, app: &AppState) {
     );
     let _ = socket.send(Message::Text(frame.to_json().into())).await;
     let close = CloseFrame {
-        code: close_code::POLICY,
+        code: CloseCode::from(close_code::POLICY),
         reason: "too many connections".into(),
     };
     let _ = tokio::time::timeout(CLOSE_PATIENCE, socket.send(Message::Close(Some(close)))).await;
@@ -139,7 +176,11 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
         config: app.config.clone(),
     });
     m::websocket_connections(1.0);
-    let writer = tokio::spawn(write_loop(sink, receiver, app.shutdown.clone()));
+    let writer = tokio::spawn(write_loop(
+        Writer::new(sink),
+        receiver,
+        app.shutdown.clone(),
+    ));
     let mut ahead = ReadAhead::default();
     loop {
         let next = match ahead.pop() {
@@ -182,7 +223,8 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
             }
             Message::Binary(_) => connection.binary(),
             Message::Close(_) => break,
-            Message::Ping(_) | Message::Pong(_) => continue,
+            // Reading never gives a raw frame; pings are answered as read.
+            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => continue,
         }
     }
     // Every conversation lets it go before the close goes out.
@@ -203,7 +245,7 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
 }
 
 /// What reading the socket gave: a frame, a read error, or its end (`None`).
-type Read = Option<Result<Message, axum::Error>>;
+type Read = Option<Result<Message, tungstenite::Error>>;
 
 /// The socket's frames read while an earlier one was being handled, in
 /// order, to be handled after it.
@@ -225,7 +267,7 @@ impl ReadAhead {
     async fn while_handling<F, S>(&mut self, mut handling: Pin<&mut F>, stream: &mut S)
     where
         F: Future<Output = ()>,
-        S: Stream<Item = Result<Message, axum::Error>> + Unpin,
+        S: Stream<Item = Result<Message, tungstenite::Error>> + Unpin,
     {
         loop {
             let room = self.frames.len() < READ_AHEAD_FRAMES && !self.ended();
@@ -245,18 +287,71 @@ impl ReadAhead {
     }
 }
 
-/// A frame over `limits.max_frame_bytes` (the websocket library reports it
-/// as a capacity error).
-fn is_too_big(error: &axum::Error) -> bool {
-    let text = error.to_string();
-    text.contains("Space limit exceeded") || text.contains("too long") || text.contains("too big")
+/// A frame over twice `limits.max_frame_bytes`, the library's own limit.
+fn is_too_big(error: &tungstenite::Error) -> bool {
+    matches!(error, tungstenite::Error::Capacity(_))
 }
 
-async fn write_loop(
-    mut sink: SplitSink<WebSocket, Message>,
-    mut out: OutboundReceiver,
-    shutdown: CancellationToken,
-) {
+/// The socket's write half, and what is left of a message it was part-way
+/// through when a send was given up (a close or the shutdown came).
+struct Writer {
+    sink: SplitSink<WebSocket, Message>,
+    unfinished: Option<Fragments>,
+}
+
+impl Writer {
+    fn new(sink: SplitSink<WebSocket, Message>) -> Self {
+        Writer {
+            sink,
+            unfinished: None,
+        }
+    }
+
+    /// Hands `text` to the socket in frames (not flushed). Cancel-safe: a
+    /// frame counts as sent once the socket took it, and what is left is
+    /// kept for [`Self::finish`].
+    async fn feed(&mut self, text: Utf8Bytes) -> Result<(), tungstenite::Error> {
+        self.finish().await?;
+        if text.len() <= FRAGMENT_BYTES {
+            // Nearly every frame: one frame, no bookkeeping.
+            return self.sink.feed(Message::Text(text)).await;
+        }
+        self.unfinished = Some(Fragments::new(text));
+        self.finish().await
+    }
+
+    /// Sends what is left of a message given up part-way: no other message
+    /// may start before its last fragment.
+    async fn finish(&mut self) -> Result<(), tungstenite::Error> {
+        while let Some(fragments) = &mut self.unfinished {
+            let Some((frame, end)) = fragments.next() else {
+                self.unfinished = None;
+                break;
+            };
+            self.sink.feed(Message::Frame(frame)).await?;
+            fragments.sent_up_to(end);
+        }
+        Ok(())
+    }
+
+    /// Sends `text` and flushes.
+    async fn send(&mut self, text: Utf8Bytes) -> Result<(), tungstenite::Error> {
+        self.feed(text).await?;
+        self.sink.flush().await
+    }
+
+    /// Sends the close frame (a control frame may go between fragments).
+    async fn close(&mut self, code: u16, reason: &'static str) {
+        let close = CloseFrame {
+            code: CloseCode::from(code),
+            reason: Utf8Bytes::from_static(reason),
+        };
+        let _ = self.sink.send(Message::Close(Some(close))).await;
+        let _ = self.sink.close().await;
+    }
+}
+
+async fn write_loop(mut writer: Writer, mut out: OutboundReceiver, shutdown: CancellationToken) {
     // Made once and polled again at each frame: a future made per frame
     // registered with its token's waiters and left them again each time,
     // two locks of the shutdown token, which every connection shares.
@@ -279,7 +374,7 @@ async fn write_loop(
                 // mostly does, the tokens are not polled a second time.
                 let sent = tokio::select! {
                     biased;
-                    sent = send_batch(&mut sink, frame, &mut out.rx) => sent.is_ok(),
+                    sent = send_batch(&mut writer, frame, &mut out.rx) => sent.is_ok(),
                     _ = &mut closed => false,
                     _ = &mut stopping => false,
                 };
@@ -304,18 +399,16 @@ async fn write_loop(
     }
     let finish = async {
         if request.drain {
+            if writer.finish().await.is_err() {
+                return;
+            }
             while let Ok(frame) = out.rx.try_recv() {
-                if sink.send(Message::Text(frame)).await.is_err() {
+                if writer.send(frame).await.is_err() {
                     return;
                 }
             }
         }
-        let close = CloseFrame {
-            code: request.code,
-            reason: request.reason.into(),
-        };
-        let _ = sink.send(Message::Close(Some(close))).await;
-        let _ = sink.close().await;
+        writer.close(request.code, request.reason).await;
     };
     let _ = tokio::time::timeout(patience, finish).await;
 }
@@ -323,18 +416,18 @@ async fn write_loop(
 /// Writes `first` and the frames already queued behind it (up to
 /// [`WRITE_BATCH`]) with a single flush.
 async fn send_batch(
-    sink: &mut SplitSink<WebSocket, Message>,
+    writer: &mut Writer,
     first: Utf8Bytes,
     rx: &mut tokio::sync::mpsc::Receiver<Utf8Bytes>,
-) -> Result<(), axum::Error> {
-    sink.feed(Message::Text(first)).await?;
+) -> Result<(), tungstenite::Error> {
+    writer.feed(first).await?;
     for _ in 1..WRITE_BATCH {
         match rx.try_recv() {
-            Ok(frame) => sink.feed(Message::Text(frame)).await?,
+            Ok(frame) => writer.feed(frame).await?,
             Err(_) => break,
         }
     }
-    sink.flush().await
+    writer.sink.flush().await
 }
 
 #[cfg(test)]
@@ -344,7 +437,7 @@ mod tests {
 
     use super::*;
 
-    fn text(t: &'static str) -> Result<Message, axum::Error> {
+    fn text(t: &'static str) -> Result<Message, tungstenite::Error> {
         Ok(Message::Text(Utf8Bytes::from_static(t)))
     }
 
@@ -365,7 +458,7 @@ mod tests {
     /// handling is released (after everything ready has been read).
     async fn read_while_a_frame_waits<S>(socket: &mut S) -> ReadAhead
     where
-        S: Stream<Item = Result<Message, axum::Error>> + Unpin,
+        S: Stream<Item = Result<Message, tungstenite::Error>> + Unpin,
     {
         let mut ahead = ReadAhead::default();
         let (done, handled) = oneshot::channel::<()>();

@@ -488,7 +488,7 @@ impl DetachNotice for RouteLink {
         // Behind the frames queued before it, whatever room is left.
         tokio::spawn(async move {
             let _ = outbound
-                .send(axum::extract::ws::Utf8Bytes::from_static(""))
+                .send(tokio_tungstenite::tungstenite::Utf8Bytes::from_static(""))
                 .await;
         });
     }

@@ -9,8 +9,8 @@
 //! inserts all land on its last pages whichever conversations they are for.
 //! (A long run of a conversation with nothing in the journal, as a burst
 //! commits, goes to `event_runs` directly: see [`DIRECT_RUN_EVENTS`].)
-//! The writer folds the journal once it holds [`FOLD_EVENTS`] events or its oldest
-//! run is [`FOLD_AFTER`] old: the journal's runs of each conversation become
+//! The writer folds the journal once it holds [`FOLD_EVENTS`] events or
+//! [`FOLD_BYTES`] bytes of them, or its oldest run is [`FOLD_AFTER`] old: the journal's runs of each conversation become
 //! one run of `event_runs` (at most `RUN_MAX_EVENTS` events), so a
 //! conversation's index page is written once per fold rather than once per
 //! commit.
@@ -51,6 +51,13 @@ pub(super) const FOLD_AFTER: Duration = Duration::from_secs(1);
 /// memory, under heavy load.
 pub(super) const FOLD_EVENTS: usize = 32_768;
 
+/// Bytes of encoded events in the journal past which the writer folds it
+/// at once: a fold holds what it moves in memory, and events can be large
+/// (a tool's output, a long answer: up to the frame limit each), so their
+/// count alone does not bound it. Above what 32,768 demo tokens take
+/// (about 6.5 MB), so that for small events the count decides.
+pub(super) const FOLD_BYTES: usize = 8 << 20;
+
 /// A commit's run of at least this many events of a conversation that has
 /// nothing in the journal goes to `event_runs` directly: its index page is
 /// already shared by that many events, and the journal would only write
@@ -65,6 +72,8 @@ pub(super) struct JournalFill {
     /// estimate after a delete, which takes a conversation's rows without
     /// counting them).
     events: usize,
+    /// Their encoded bytes (the same estimate).
+    bytes: usize,
     /// When the oldest of them was committed.
     since: Option<Instant>,
     /// Conversations with rows committed since the last fold started.
@@ -85,9 +94,10 @@ impl JournalFill {
         }
     }
 
-    /// A commit wrote `events` of `id` into the journal.
-    pub(super) fn added(&mut self, id: &str, events: usize, now: Instant) {
+    /// A commit wrote `events` of `id`, `bytes` encoded, into the journal.
+    pub(super) fn added(&mut self, id: &str, events: usize, bytes: usize, now: Instant) {
         self.events += events;
+        self.bytes += bytes;
         self.since.get_or_insert(now);
         if !self.written.contains(id) {
             self.written.insert(id.into());
@@ -97,6 +107,7 @@ impl JournalFill {
     /// A fold read the journal: what it holds is the fold's to move.
     pub(super) fn fold_started(&mut self) {
         self.events = 0;
+        self.bytes = 0;
         self.since = None;
         let written = std::mem::take(&mut self.written);
         self.folding.extend(written);
@@ -139,7 +150,7 @@ impl JournalFill {
     /// When the next fold is due (`None`: nothing new in the journal).
     pub(super) fn due_at(&self) -> Option<Instant> {
         let since = self.since?;
-        if self.events >= FOLD_EVENTS {
+        if self.events >= FOLD_EVENTS || self.bytes >= FOLD_BYTES {
             return Some(since);
         }
         Some(since + FOLD_AFTER)
@@ -643,7 +654,7 @@ mod tests {
             RunTable::Journal
         );
 
-        fill.added("a", 1, now);
+        fill.added("a", 1, 200, now);
         assert_eq!(fill.table_for("a", 100), RunTable::Journal);
         assert_eq!(fill.table_for("b", 100), RunTable::Runs);
         assert!(!fill.is_due(now + FOLD_AFTER / 2));
@@ -661,14 +672,19 @@ mod tests {
         assert!(fill.is_due(later + FOLD_AFTER));
 
         fill.fold_started();
-        fill.added("b", 1, later);
+        fill.added("b", 1, 200, later);
         fill.fold_finished();
         assert_eq!(fill.table_for("a", 100), RunTable::Runs);
         assert_eq!(fill.table_for("b", 100), RunTable::Journal);
 
-        // A full journal is due at once; a deleted conversation has no
-        // rows left.
-        fill.added("b", FOLD_EVENTS, later);
+        // A full journal is due at once, by its events or by their bytes;
+        // a deleted conversation has no rows left.
+        fill.added("b", FOLD_EVENTS, FOLD_EVENTS * 200, later);
+        assert!(fill.is_due(later));
+        fill.fold_started();
+        fill.added("b", 8, FOLD_BYTES - 1, later);
+        assert!(!fill.is_due(later));
+        fill.added("b", 1, 1, later);
         assert!(fill.is_due(later));
         fill.forget("b");
         assert_eq!(fill.table_for("b", 100), RunTable::Runs);

@@ -187,6 +187,11 @@ impl JournalRow {
         Ok(())
     }
 
+    /// Bytes of encoded events the row holds so far.
+    pub(super) fn event_bytes(&self) -> usize {
+        self.events.len()
+    }
+
     /// Empties the row, keeping its buffers unless a large group grew
     /// them past what a usual one needs.
     pub(super) fn clear(&mut self) {

@@ -1407,7 +1407,7 @@ fn each_conversation_reads_only_its_own_runs_from_a_shared_journal_row() {
     let known = KnownRows::default();
     let mut fill = JournalFill::default();
     for id in ids {
-        fill.added(id, 1, std::time::Instant::now());
+        fill.added(id, 1, 200, std::time::Instant::now());
     }
     let mut touched = Touched::new(&known, &fill, 1);
     assert_eq!(touched.head(&conn, "c_1").unwrap(), 4);

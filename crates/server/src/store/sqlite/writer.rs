@@ -381,8 +381,8 @@ impl Writer {
         }
         self.known.settle(deleted, settled);
         let now = Instant::now();
-        for (id, events) in journaled {
-            self.journal.added(id, events, now);
+        for (id, events, bytes) in journaled {
+            self.journal.added(id, events, bytes, now);
         }
         Ok(true)
     }
@@ -571,14 +571,14 @@ impl<'g, 'k> Touched<'g, 'k> {
 
     /// Writes the group's runs and rows (the journal's row built in
     /// `journal_row`, left empty); returns the conversations whose events
-    /// went into the journal, with how many.
+    /// went into the journal, with how many and their encoded bytes.
     pub(super) fn write(
         &self,
         conn: &Connection,
         journal: &JournalFill,
         members: &JournalMembers,
         journal_row: &mut JournalRow,
-    ) -> Result<Vec<(&'g str, usize)>, StoreError> {
+    ) -> Result<Vec<(&'g str, usize, usize)>, StoreError> {
         journal_row.clear();
         let mut journaled = Vec::new();
         for (id, row) in &self.rows {
@@ -589,14 +589,18 @@ impl<'g, 'k> Touched<'g, 'k> {
                 if !journal.holds(id) {
                     members.mark(id);
                 }
-                journaled.push((*id, row.events.len()));
             }
+            let bytes_before = journal_row.event_bytes();
             for chunk in row.events.chunks(RUN_MAX_EVENTS) {
                 let events = chunk.iter().map(|ev| RunEvent::from(*ev));
                 match table {
                     RunTable::Journal => journal_row.add(id, events),
                     RunTable::Runs => insert_run(conn, table, id, events)?,
                 }
+            }
+            if table == RunTable::Journal && !row.events.is_empty() {
+                let bytes = journal_row.event_bytes() - bytes_before;
+                journaled.push((*id, row.events.len(), bytes));
             }
             if let Some(state) = row.row_update() {
                 conn.prepare_cached(
