@@ -1,6 +1,7 @@
 //! What the server keeps in memory is bounded by its configuration, not by
 //! the traffic (README, "Memory"): long turns, one after the other, leave
-//! its resident memory where the first ones brought it.
+//! its resident memory where the first ones brought it, and clients that
+//! were sent large events keep no copy of them.
 //!
 //! The server is the real binary in its own process, so that its memory
 //! (`/proc/PID/status`) is its own and its allocator is set up as `linger

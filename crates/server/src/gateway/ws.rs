@@ -307,9 +307,10 @@ impl Writer {
         }
     }
 
-    /// Hands `text` to the socket in frames (not flushed). Cancel-safe: a
-    /// frame counts as sent once the socket took it, and what is left is
-    /// kept for [`Self::finish`].
+    /// Hands `text` to the socket in frames (not flushed). A fragmented
+    /// message given up part-way is kept: a frame counts as sent once the
+    /// socket took it, and [`Self::finish`] sends the rest. A message of
+    /// one frame given up is dropped, as the rest of a batch given up is.
     async fn feed(&mut self, text: Utf8Bytes) -> Result<(), tungstenite::Error> {
         self.finish().await?;
         if text.len() <= FRAGMENT_BYTES {
