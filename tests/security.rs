@@ -768,6 +768,19 @@ async fn an_observer_cannot_stop_the_owners_conversations_through_the_user_limit
     server.shutdown().await;
 }
 
+/// `GET /v1/ws` that is not a websocket upgrade: 426 with the JSON error
+/// body, after authentication (401 without a token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_get_of_the_websocket_is_told_to_upgrade() {
+    let server = TestServer::start().await;
+    let (status, body) = server.get("/v1/ws", Some("alice")).await;
+    assert_eq!(status, 426, "{body}");
+    assert_eq!(body["error"]["code"], "bad_request", "{body}");
+    let (status, body) = server.get("/v1/ws", None).await;
+    assert_eq!(status, 401, "{body}");
+    server.shutdown().await;
+}
+
 // ---------------------------------------------------------------- origins
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

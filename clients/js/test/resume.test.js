@@ -2,8 +2,9 @@
 // that survives a dropped socket (or a network gone silent) with no gap and
 // no duplicate, a message whose ack was lost resent and acknowledged once,
 // client tool calls answered after a reconnect, the connection's state kept
-// apart from the agent's status, compact attach passed on, and a new client
-// resuming from the seq and transcript a store kept.
+// apart from the agent's status, compact attach passed on, a new client
+// resuming from the seq and transcript a store kept, and events the server
+// sends in fragments arriving whole.
 
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
@@ -300,6 +301,19 @@ test('stop() ends the running turn and resolves with its ack', async () => {
   );
   assert.equal(conv.status, 'idle');
   assert.equal(client.state, 'connected');
+});
+
+test('events over 16 KiB, which the server sends in fragments, arrive whole', async () => {
+  const client = await direct('iris');
+  const conv = await client.create({ title: 'large' });
+  const blob = 'é'.repeat(60_000); // 120 KB, cut between characters
+  conv.onToolCall(async () => ({ blob }));
+  const seen = record(conv);
+  await conv.send('/ask fetch');
+  await until('the reply', () => lastAssistant(conv)?.final, [[conv, 'event']]);
+  assert.equal(lastAssistant(conv).text, `fetch returned ${JSON.stringify({ blob })}`);
+  const result = seen.find((ev) => ev.kind === 'tool_result');
+  assert.deepEqual(result.data.output, { blob });
 });
 
 test('open(id, {compact}) passes compact on and rebuilds the transcript', async () => {
