@@ -42,9 +42,14 @@ use super::*;
 
 /// The age of the journal's oldest run at which the writer folds it. A
 /// fold costs about the same whatever it holds (a run and an index page per
-/// conversation in it), so folding less often costs less; it is done in
-/// short steps, so how often does not change how long an append waits.
-pub(super) const FOLD_AFTER: Duration = Duration::from_secs(1);
+/// conversation in it, and the checkpoint's copy of that page), so folding
+/// less often costs less: with 10,000 conversations at 2 events/s each, a
+/// fold a second wrote a page for every two events, most of the 4.4 KB the
+/// store wrote to disk per event (BENCHMARKS.md, "In the steady state:
+/// the folds and the disk writes").
+/// It is done in paced steps, so how often does not change how long an
+/// append waits.
+pub(super) const FOLD_AFTER: Duration = Duration::from_secs(3);
 
 /// Events in the journal past which the writer folds it at once: bounds
 /// what a reader scans (the journal has no index) and what a fold holds in
@@ -57,6 +62,19 @@ pub(super) const FOLD_EVENTS: usize = 32_768;
 /// count alone does not bound it. Above what 32,768 demo tokens take
 /// (about 6.5 MB), so that for small events the count decides.
 pub(super) const FOLD_BYTES: usize = 8 << 20;
+
+/// How long a fold rests after each step, in multiples of the step's own
+/// time: a fold takes at most a quarter of the writer's time, unless the
+/// journal fills up again before it ends ([`JournalFill::is_behind`]).
+///
+/// Why: a fold of paced traffic is a burst of work (an index page per
+/// conversation: 140 to 250 ms for 10,000 conversations once their runs
+/// outgrow the page cache), and the writer is otherwise idle most of the
+/// time, so an unpaced fold took a whole core at once, and the checkpoint
+/// then copied all its pages at once. Spread over four times as long, the
+/// same work fits beside the conversations' tasks. Measured together with
+/// the three-second fold (same section of BENCHMARKS.md).
+pub(super) const FOLD_REST_PER_BUSY: u32 = 3;
 
 /// A commit's run of at least this many events of a conversation that has
 /// nothing in the journal goes to `event_runs` directly: its index page is
@@ -150,10 +168,17 @@ impl JournalFill {
     /// When the next fold is due (`None`: nothing new in the journal).
     pub(super) fn due_at(&self) -> Option<Instant> {
         let since = self.since?;
-        if self.events >= FOLD_EVENTS || self.bytes >= FOLD_BYTES {
+        if self.is_behind() {
             return Some(since);
         }
         Some(since + FOLD_AFTER)
+    }
+
+    /// Whether the journal holds enough to fold at once: the next fold is
+    /// due now, and a fold in progress is behind (the journal filled up
+    /// again meanwhile) and no longer rests between its steps.
+    pub(super) fn is_behind(&self) -> bool {
+        self.events >= FOLD_EVENTS || self.bytes >= FOLD_BYTES
     }
 
     pub(super) fn is_due(&self, now: Instant) -> bool {
@@ -286,6 +311,8 @@ pub(super) struct Fold {
     pub(super) events: usize,
     /// Time spent in its steps (appends waited meanwhile).
     pub(super) busy: Duration,
+    /// When it may take its next step (see [`FOLD_REST_PER_BUSY`]).
+    resume_at: Instant,
 }
 
 impl Fold {
@@ -306,6 +333,7 @@ impl Fold {
             at: HashMap::new(),
             events: 0,
             busy: Duration::ZERO,
+            resume_at: Instant::now(),
         }))
     }
 
@@ -328,8 +356,15 @@ impl Fold {
             }
             done
         };
-        self.busy += started.elapsed();
+        let took = started.elapsed();
+        self.busy += took;
+        self.resume_at = Instant::now() + took * FOLD_REST_PER_BUSY;
         done
+    }
+
+    /// When it may take its next step.
+    pub(super) fn resume_at(&self) -> Instant {
+        self.resume_at
     }
 
     /// Reads the rows after `after`, merging each conversation's
@@ -679,8 +714,12 @@ mod tests {
 
         // A full journal is due at once, by its events or by their bytes;
         // a deleted conversation has no rows left.
+        assert!(!fill.is_behind());
         fill.added("b", FOLD_EVENTS, FOLD_EVENTS * 200, later);
         assert!(fill.is_due(later));
+        // The same fill tells a fold in progress that it is behind: it
+        // no longer rests between its steps.
+        assert!(fill.is_behind());
         fill.fold_started();
         fill.added("b", 8, FOLD_BYTES - 1, later);
         assert!(!fill.is_due(later));

@@ -868,8 +868,11 @@ fn a_fold_moves_a_few_conversations_per_step_and_reads_stay_whole() {
     assert!(whole(&mut reader));
 
     let mut fold = journal::Fold::start(&conn, false).unwrap().unwrap();
-    // The first step reads both rows, and changes nothing.
+    // The first step reads both rows, and changes nothing. After it the
+    // fold rests three times as long as the step took.
+    let before = std::time::Instant::now();
     assert!(!fold.step(&conn).unwrap());
+    assert!(fold.resume_at() >= before + fold.busy * (1 + journal::FOLD_REST_PER_BUSY));
     assert_eq!(fold.events, 300 * 6);
     assert_eq!(stored_runs(&conn, "event_runs").len(), 0);
     // A conversation deleted meanwhile is not brought back.

@@ -123,16 +123,18 @@ impl Writer {
                     if self.restart_wanted.load(Ordering::Relaxed) {
                         self.restart_wal();
                     }
-                    // With a prune pending there is work to do even when
-                    // nothing is queued, so only block when there is none;
-                    // and only until the journal is due to be folded.
-                    if !self.prunes.is_empty() {
+                    // With a prune pending (and no fold in progress, which
+                    // it waits for) there is work to do even when nothing is
+                    // queued, so only block when there is none; and only
+                    // until the fold's next step, or the next fold, is due.
+                    if !self.prunes.is_empty() && self.fold.is_none() {
                         None
-                    } else if self.fold.is_some() {
-                        self.fold_work();
-                        continue;
-                    } else if let Some(due) = self.journal.due_at() {
-                        let wait = due.saturating_duration_since(Instant::now());
+                    } else if let Some(at) = self.next_fold_step_at() {
+                        let wait = at.saturating_duration_since(Instant::now());
+                        if wait.is_zero() {
+                            self.fold_work();
+                            continue;
+                        }
                         match self.rx.recv_timeout(wait) {
                             Ok(cmd) => Some(cmd),
                             Err(RecvTimeoutError::Timeout) => {
@@ -185,10 +187,25 @@ impl Writer {
         }
     }
 
-    /// The fold's next step if one is in progress, else a new fold if
-    /// the journal is due (see `journal.rs`).
+    /// When the fold in progress may take its next step, or else when the
+    /// next fold is due; `None`: no fold work until something is appended.
+    fn next_fold_step_at(&self) -> Option<Instant> {
+        match &self.fold {
+            Some(_) if self.journal.is_behind() => Some(Instant::now()),
+            Some(fold) => Some(fold.resume_at()),
+            None => self.journal.due_at(),
+        }
+    }
+
+    /// The fold's next step if one is in progress and its pace allows it
+    /// (see [`journal::FOLD_REST_PER_BUSY`]), else a new fold if the journal
+    /// is due (see `journal.rs`).
     pub(super) fn fold_work(&mut self) {
         let fold = match self.fold.take() {
+            Some(fold) if fold.resume_at() > Instant::now() && !self.journal.is_behind() => {
+                self.fold = Some(fold);
+                return;
+            }
             Some(fold) => Ok(fold),
             None if self.journal.is_due(Instant::now()) => {
                 self.journal.fold_started();
