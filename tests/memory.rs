@@ -21,8 +21,9 @@ const TOKENS: u64 = 300_000;
 /// cache and the allocator's heaps to their working size.
 const WARM_TURNS: usize = 3;
 
-/// Turns run after the baseline.
-const MEASURED_TURNS: usize = 5;
+/// Turns run after the baseline: enough that memory growing by 1.2 MiB a
+/// turn or more shows over the slack below.
+const MEASURED_TURNS: usize = 8;
 
 /// How much the resident memory may grow over the measured turns, as the
 /// lower of the last two samples shows it: each
@@ -30,8 +31,11 @@ const MEASURED_TURNS: usize = 5;
 /// below anything that grows with them. (glibc's allocator left as it
 /// is, with its heap per thread and its threshold for a mapping raised by
 /// each long message freed, grew by 9 to 17 MiB here, from a baseline
-/// twice as high.)
-const SLACK_KIB: u64 = 4 * 1024;
+/// twice as high.) It is one fold of the store's journal (`FOLD_BYTES`,
+/// 8 MiB): the level may step up once by what a fold held, which the
+/// allocator keeps for the next one (seen: 7.4 MiB after the second
+/// measured turn, then flat), and that is not growth.
+const SLACK_KIB: u64 = 8 * 1024;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_turns_one_after_the_other_leave_memory_where_it_was() {
@@ -59,16 +63,25 @@ async fn long_turns_one_after_the_other_leave_memory_where_it_was() {
         assert_eq!(end, on_phone.0);
         end
     };
+    let mut warm = Vec::new();
     for _ in 0..WARM_TURNS {
         next = turn(next).await;
+        warm.push(server.memory_kib().1);
     }
-    let (_, baseline) = server.memory_kib();
+    // The level settles in one of two places about 4 MiB apart from one
+    // sample to the next (CI saw a baseline of 56.3 MiB, then 60.5, 60.5,
+    // 57.9, 60.7 and 60.7): the higher of the last two warm samples is
+    // the level, as the lower of the last two measured ones is below.
+    let baseline = warm[WARM_TURNS - 2..].iter().copied().max().unwrap_or(0);
     let mut resident = Vec::new();
     for _ in 0..MEASURED_TURNS {
         next = turn(next).await;
         resident.push(server.memory_kib().1);
     }
-    println!("resident KiB after {WARM_TURNS} turns: {baseline}, then after each: {resident:?}");
+    println!(
+        "resident KiB after each of {WARM_TURNS} warm turns: {warm:?} (baseline {baseline}), \
+         then after each: {resident:?}"
+    );
     // Memory that grows with the turns is still held after the last two.
     // One sample may catch a bounded working set on its way through (such
     // as a fold of the journal, which holds up to 8 MiB of events): CI saw
