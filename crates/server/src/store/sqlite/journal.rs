@@ -181,6 +181,9 @@ impl JournalFill {
         self.events >= FOLD_EVENTS || self.bytes >= FOLD_BYTES
     }
 
+    /// Whether a fold is due at `now` (the writer asks `due_at`, through
+    /// `Writer::next_fold_step_at`).
+    #[cfg(test)]
     pub(super) fn is_due(&self, now: Instant) -> bool {
         self.due_at().is_some_and(|at| at <= now)
     }

@@ -201,13 +201,15 @@ impl Writer {
     /// (see [`journal::FOLD_REST_PER_BUSY`]), else a new fold if the journal
     /// is due (see `journal.rs`).
     pub(super) fn fold_work(&mut self) {
+        if self
+            .next_fold_step_at()
+            .is_none_or(|at| at > Instant::now())
+        {
+            return;
+        }
         let fold = match self.fold.take() {
-            Some(fold) if fold.resume_at() > Instant::now() && !self.journal.is_behind() => {
-                self.fold = Some(fold);
-                return;
-            }
             Some(fold) => Ok(fold),
-            None if self.journal.is_due(Instant::now()) => {
+            None => {
                 self.journal.fold_started();
                 match Fold::start(&self.conn, self.fold_left_overlap) {
                     Ok(Some(fold)) => Ok(fold),
@@ -219,7 +221,6 @@ impl Writer {
                     Err(e) => Err(e),
                 }
             }
-            None => return,
         };
         let done = fold.and_then(|mut fold| fold.step(&self.conn).map(|done| (fold, done)));
         match done {
