@@ -14,7 +14,7 @@ use linger::cluster::liveness::{Departure, Liveness, Renewal};
 use linger::cluster::log::{EventLog, Fence};
 use linger::cluster::{connect, Cluster, ClusterError, ClusterOptions};
 use linger::config::{ClusterMode, Config};
-use linger::event::EventRecord;
+use linger::event::{intern_kind, EventRecord};
 
 fn options(op_timeout: Duration, replicas: usize, lease_ttl: Duration) -> ClusterOptions {
     ClusterOptions {
@@ -39,7 +39,7 @@ fn events(conversation: &str, from: u64, n: u64, tag: &str) -> Vec<Arc<EventReco
                 conversation,
                 seq,
                 "2026-01-01T00:00:00.000Z",
-                Arc::from("text_delta"),
+                intern_kind("text_delta"),
                 &serde_json::json!({ "turn_id": "t", "text": format!("{tag}{seq}") }).to_string(),
             ))
         })

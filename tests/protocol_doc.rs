@@ -138,7 +138,7 @@ fn code_names() -> BTreeMap<&'static str, BTreeSet<String>> {
         }
     }
     let mut server_frames = strings(ServerFrameType::VARIANTS);
-    let event = EventRecord::from_parts("c_1", 1, "ts", "kind".into(), "{}");
+    let event = EventRecord::from_parts("c_1", 1, "ts", linger::event::intern_kind("kind"), "{}");
     let event: Value = serde_json::from_str(event.frame.as_str()).expect("an event frame is JSON");
     server_frames.insert(event["type"].as_str().expect("a type").to_owned());
     BTreeMap::from([

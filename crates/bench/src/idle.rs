@@ -142,13 +142,14 @@ async fn run_one(
             "RSS per connection",
             "KiB",
             kib_each(with_connections, base, connected),
-        ),
+        )
+        .aim(Aim::AtMost(12.0)),
         Measure::new(
             "RSS per idle conversation",
             "KiB",
             kib_each(with_conversations, with_connections, created),
         )
-        .aim(Aim::AtMost(20.0)),
+        .aim(Aim::AtMost(10.0)),
         Measure::new(
             "RSS with everything",
             "MiB",

@@ -1,10 +1,11 @@
 //! Sequenced events (protocol §4): their typed payloads and the record that is
 //! serialized once, at append, and shared by the store and every connection.
 
-use std::io::Write as _;
+use std::cell::RefCell;
+use std::fmt::Write as _;
 use std::ops::Range;
-use std::sync::{Arc, OnceLock};
-use std::time::SystemTime;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 use serde_json::Value;
@@ -124,7 +125,7 @@ impl TurnStatus {
 #[derive(Debug, Clone)]
 pub struct EventRecord {
     pub seq: u64,
-    pub kind: Arc<str>,
+    pub kind: Kind,
     pub frame: Utf8Bytes,
     /// Where `ts` is in `frame`.
     ts: Range<usize>,
@@ -150,9 +151,8 @@ impl EventRecord {
         EventRecord::build(
             conversation_id,
             seq,
-            now_ts(),
+            |frame| write_ts(frame, SystemTime::now()),
             intern_kind(data.kind()),
-            128,
             |frame| {
                 // Serializing EventData cannot fail: it holds strings,
                 // numbers and already-parsed JSON values only.
@@ -168,44 +168,59 @@ impl EventRecord {
         conversation_id: &str,
         seq: u64,
         ts: &str,
-        kind: Arc<str>,
+        kind: Kind,
         data: &str,
     ) -> EventRecord {
-        EventRecord::build(conversation_id, seq, ts, kind, data.len(), |frame| {
-            frame.extend_from_slice(data.as_bytes())
-        })
+        EventRecord::build(
+            conversation_id,
+            seq,
+            |frame| frame.extend_from_slice(ts.as_bytes()),
+            kind,
+            |frame| frame.extend_from_slice(data.as_bytes()),
+        )
     }
 
-    /// Writes the frame, `data` written by `write_data` (about `data_len`
-    /// bytes), into one buffer of its exact size, and notes where `ts` and
-    /// `data` are in it.
+    /// Writes the frame, its `ts` written by `write_ts` and its `data` by
+    /// `write_data`, and notes where both are in it.
     fn build(
         conversation_id: &str,
         seq: u64,
-        ts: impl std::fmt::Display,
-        kind: Arc<str>,
-        data_len: usize,
+        write_ts: impl FnOnce(&mut Vec<u8>),
+        kind: Kind,
         write_data: impl FnOnce(&mut Vec<u8>),
     ) -> EventRecord {
-        // Every part is written straight into the frame, none built as a
-        // string of its own first.
-        let mut frame = Vec::with_capacity(128 + conversation_id.len() + kind.len() + data_len);
-        frame.extend_from_slice(br#"{"type":"event","conversation_id":"#);
-        // Writing into a Vec cannot fail, and a str always serializes.
-        let _ = serde_json::to_writer(&mut frame, conversation_id);
-        let _ = write!(frame, r#","seq":{seq},"ts":""#);
-        let ts_start = frame.len();
-        let _ = write!(frame, "{ts}");
-        let ts_range = ts_start..frame.len();
-        frame.extend_from_slice(br#"","kind":""#);
-        frame.extend_from_slice(kind.as_bytes());
-        frame.extend_from_slice(br#"","data":"#);
-        let data_start = frame.len();
-        write_data(&mut frame);
-        frame.push(b'}');
-        // Exactly as long as its content: the buffer kept by every holder of
-        // the frame has no spare capacity.
-        let frame = frame.into_boxed_slice().into_vec();
+        // The frame is written into this thread's scratch buffer, then
+        // copied once into a buffer of its exact size: the one every holder
+        // of the frame keeps, with no spare capacity and no reallocation
+        // on the way (growing and shrinking cost more than the copy).
+        thread_local! {
+            static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+        }
+        let (frame, ts_range, data_start) = SCRATCH.with_borrow_mut(|scratch| {
+            scratch.clear();
+            scratch.extend_from_slice(br#"{"type":"event","conversation_id":"#);
+            // Writing into a Vec cannot fail, and a str always serializes.
+            let _ = serde_json::to_writer(&mut *scratch, conversation_id);
+            scratch.extend_from_slice(br#","seq":"#);
+            scratch.extend_from_slice(itoa::Buffer::new().format(seq).as_bytes());
+            scratch.extend_from_slice(br#","ts":""#);
+            let ts_start = scratch.len();
+            write_ts(scratch);
+            let ts_range = ts_start..scratch.len();
+            scratch.extend_from_slice(br#"","kind":""#);
+            scratch.extend_from_slice(kind.as_bytes());
+            scratch.extend_from_slice(br#"","data":"#);
+            let data_start = scratch.len();
+            write_data(scratch);
+            scratch.push(b'}');
+            let frame = scratch.to_vec();
+            // One very large event (a tool's output) does not keep its
+            // room in every thread for good.
+            if scratch.capacity() > MAX_KEPT_SCRATCH {
+                *scratch = Vec::new();
+            }
+            (frame, ts_range, data_start)
+        });
         match String::from_utf8(frame) {
             Ok(frame) => EventRecord {
                 seq,
@@ -239,40 +254,82 @@ impl EventRecord {
     }
 
     /// The memory this record holds while something keeps it: its frame,
-    /// the record in its `Arc`, and what the allocator adds to each (the
-    /// kind is shared by every record of that kind, see [`intern_kind`]).
+    /// the record in its `Arc`, and what the allocator adds to each (a
+    /// known kind is static, see [`Kind`]).
     pub fn held_bytes(&self) -> usize {
         allocated(self.frame.len()) + RECORD_OVERHEAD
     }
 }
 
-/// The kind's shared name: the known kinds are allocated once, whichever
-/// record names them (only an unknown kind read back from a store is
-/// allocated per record).
-pub fn intern_kind(kind: &str) -> Arc<str> {
-    static KINDS: OnceLock<Vec<Arc<str>>> = OnceLock::new();
-    let kinds = KINDS.get_or_init(|| {
-        <EventKind as strum::VariantNames>::VARIANTS
-            .iter()
-            .map(|k| Arc::from(*k))
-            .collect()
-    });
-    kinds
+/// An event's kind. A known kind is a static name, so that making and
+/// dropping a record touches no count shared by every record of its kind (a
+/// shared `Arc` was one cache line that every thread wrote twice per event);
+/// only an unknown kind read back from a store is allocated per record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    Known(&'static str),
+    Other(Arc<str>),
+}
+
+impl std::ops::Deref for Kind {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        match self {
+            Kind::Known(name) => name,
+            Kind::Other(name) => name,
+        }
+    }
+}
+
+/// The kind named `kind`: [`Kind::Known`] for every kind this version
+/// writes.
+pub fn intern_kind(kind: &str) -> Kind {
+    <EventKind as strum::VariantNames>::VARIANTS
         .iter()
-        .find(|k| &***k == kind)
-        .cloned()
-        .unwrap_or_else(|| Arc::from(kind))
+        .find(|known| **known == kind)
+        .map_or_else(|| Kind::Other(Arc::from(kind)), |known| Kind::Known(known))
+}
+
+/// The most room a thread's frame scratch buffer keeps between events.
+const MAX_KEPT_SCRATCH: usize = 64 * 1024;
+
+/// Writes `time` as events and REST carry it, RFC 3339 UTC with
+/// milliseconds. Events come by the thousand each second: the date and time
+/// of day are formatted once a second per thread, the milliseconds each time.
+fn write_ts(out: &mut Vec<u8>, time: SystemTime) {
+    thread_local! {
+        /// The second last formatted, and its text without the `Z`.
+        static SECOND: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+    }
+    let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let (secs, millis) = (since_epoch.as_secs(), since_epoch.subsec_millis());
+    SECOND.with_borrow_mut(|(cached, text)| {
+        if *cached != secs {
+            text.clear();
+            let second = UNIX_EPOCH + Duration::from_secs(secs);
+            let _ = write!(text, "{}", humantime::format_rfc3339_seconds(second));
+            text.pop();
+            *cached = secs;
+        }
+        out.extend_from_slice(text.as_bytes());
+    });
+    let digit = |d: u32| b'0' + (d % 10) as u8;
+    out.extend_from_slice(&[
+        b'.',
+        digit(millis / 100),
+        digit(millis / 10),
+        digit(millis),
+        b'Z',
+    ]);
 }
 
 /// The current time as events and REST carry it, RFC 3339 UTC with
-/// milliseconds, to be formatted where it is written.
-pub fn now_ts() -> humantime::Rfc3339Timestamp {
-    humantime::format_rfc3339_millis(SystemTime::now())
-}
-
-/// [`now_ts`] as a string.
+/// milliseconds.
 pub fn now_rfc3339() -> String {
-    now_ts().to_string()
+    let mut text = Vec::with_capacity(24);
+    write_ts(&mut text, SystemTime::now());
+    String::from_utf8(text).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -321,7 +378,67 @@ mod tests {
             (back.frame.as_str(), back.ts(), back.data()),
             (rec.frame.as_str(), rec.ts(), rec.data())
         );
-        assert!(Arc::ptr_eq(&back.kind, &rec.kind), "known kinds are shared");
+        assert_eq!(
+            back.kind,
+            Kind::Known("tool_call"),
+            "known kinds are static"
+        );
+        assert_eq!(
+            intern_kind("future_kind"),
+            Kind::Other(Arc::from("future_kind"))
+        );
         assert!(rec.held_bytes() > rec.frame.len() + size_of::<EventRecord>());
+    }
+
+    #[test]
+    fn timestamps_match_rfc3339_with_millis() {
+        let base = UNIX_EPOCH + Duration::from_secs(1_764_892_799);
+        // Across a second, a day, a year and back again (the per-second
+        // text is cached, so each step must replace it).
+        for offset_ms in [
+            0,
+            1,
+            10,
+            999,
+            1_000,
+            1_001,
+            86_400_000,
+            2_678_400_000,
+            5,
+            123_456,
+        ] {
+            let time = base + Duration::from_millis(offset_ms);
+            let mut ours = Vec::new();
+            write_ts(&mut ours, time);
+            assert_eq!(
+                String::from_utf8(ours).unwrap(),
+                humantime::format_rfc3339_millis(time).to_string()
+            );
+        }
+        assert_eq!(now_rfc3339().len(), "2026-12-05T07:50:45.123Z".len());
+    }
+
+    #[test]
+    fn a_large_event_round_trips_and_the_next_is_exact() {
+        let text = "x".repeat(3 * MAX_KEPT_SCRATCH);
+        let data = EventData::AssistantMessage {
+            turn_id: "t_1".into(),
+            text: text.clone(),
+        };
+        let big = EventRecord::new("c_1", 1, &data);
+        let v: Value = serde_json::from_str(big.frame.as_str()).unwrap();
+        assert_eq!(v["data"]["text"], text);
+        let small = EventRecord::new(
+            "c_1",
+            2,
+            &EventData::AgentStarted {
+                reason: StartReason::Attach,
+            },
+        );
+        let v: Value = serde_json::from_str(small.frame.as_str()).unwrap();
+        assert_eq!(
+            (v["seq"].as_u64(), v["data"]["reason"].as_str()),
+            (Some(2), Some("attach"))
+        );
     }
 }

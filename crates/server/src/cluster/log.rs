@@ -786,7 +786,7 @@ mod tests {
             "c_1",
             seq,
             "2026-01-01T00:00:00.000Z",
-            Arc::from("text_delta"),
+            intern_kind("text_delta"),
             &serde_json::json!({ "turn_id": "t", "text": text }).to_string(),
         ))
     }

@@ -12,6 +12,7 @@
 //! buffer or the store at the pace the socket drains and reports back when it
 //! reaches the head. Replay and live delivery are the same path.
 
+mod agent_inbox;
 mod attachments;
 mod control;
 mod cursor;
@@ -25,6 +26,7 @@ mod rule_timer;
 mod store_failure;
 mod turns;
 
+use agent_inbox::AgentInbox;
 use attachments::AttachAsk;
 use cursor::{Cursor, Rounds};
 use fanout::Fanout;
@@ -54,8 +56,7 @@ use super::supervision_log::{NewDecision, SupervisionLog};
 use super::supervisor::SupervisorMsg;
 use crate::agent::AGENT_EVENT_CREDITS;
 use crate::agent::{
-    Agent, AgentEvent, AgentOutput, AgentSession, EventSink, EventTarget, SessionContext,
-    TurnRequest,
+    Agent, AgentEvent, AgentOutput, AgentSession, EventSink, SessionContext, TurnRequest,
 };
 use crate::config::LiveConfig;
 use crate::event::{now_rfc3339, EventData, StartReason, ToolTarget, TurnStatus};
@@ -102,7 +103,8 @@ pub enum ConversationMsg {
         conn: ConnId,
         req: Option<ReqId>,
     },
-    Agent(AgentEvent),
+    /// The agent reported: its events wait in the [`AgentInbox`].
+    AgentEvents,
     Committed {
         upto: u64,
         credits: usize,
@@ -267,6 +269,8 @@ pub struct State {
     supervisor: ActorRef<SupervisorMsg>,
     gauge: Arc<ConversationGauge>,
     session: Box<dyn AgentSession>,
+    /// Where the session's events wait for this actor.
+    agent_inbox: Arc<AgentInbox>,
     credits: Arc<Semaphore>,
     /// The close delay given at creation, if any (capped by
     /// `conversations.max_close_delay` when read: [`State::close_delay`]).
@@ -324,14 +328,6 @@ pub struct State {
     gauge_turn: Option<Arc<str>>,
 }
 
-/// The agent layer's view of this actor: what a session reports arrives
-/// as a message.
-impl EventTarget for ActorRef<ConversationMsg> {
-    fn deliver(&self, event: AgentEvent) -> bool {
-        self.cast(ConversationMsg::Agent(event)).is_ok()
-    }
-}
-
 impl Actor for Conversation {
     type Msg = ConversationMsg;
     /// Boxed: ractor keeps the state twice in each actor's memory, once in
@@ -347,11 +343,12 @@ impl Actor for Conversation {
         args: ConversationArgs,
     ) -> Result<Box<State>, ActorProcessingErr> {
         let credits = Arc::new(Semaphore::new(AGENT_EVENT_CREDITS));
+        let agent_inbox = AgentInbox::new(myself.clone());
         let session = args.agent.open(SessionContext {
             conversation_id: args.id.to_string(),
             user: args.user.to_string(),
             workspace: args.workspace.clone(),
-            events: EventSink::new(Arc::new(myself.clone()), credits.clone()),
+            events: EventSink::new(agent_inbox.clone(), credits.clone()),
         });
         let mut state = State {
             id: args.id.clone(),
@@ -363,6 +360,7 @@ impl Actor for Conversation {
             supervisor: args.supervisor,
             gauge: args.gauge,
             session,
+            agent_inbox,
             credits,
             log: Log::new(args.id.clone()),
             attachments: HashMap::new(),
@@ -501,7 +499,7 @@ impl Actor for Conversation {
                 state.ack_now(conn, req);
             }
             ConversationMsg::Close { conn, req } => state.close(conn, req),
-            ConversationMsg::Agent(event) => state.agent_event(&myself, event),
+            ConversationMsg::AgentEvents => state.agent_events(&myself),
             ConversationMsg::Committed {
                 upto,
                 credits,
@@ -579,6 +577,7 @@ impl Actor for Conversation {
         state: &mut Box<State>,
     ) -> Result<(), ActorProcessingErr> {
         state.session.close();
+        state.agent_inbox.close();
         // However it stopped, a write still in flight sends nothing more
         // from here: its connections were (or are being) told it stopped.
         if let Some(fanout) = state.fanout.take() {

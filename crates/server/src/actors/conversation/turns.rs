@@ -155,7 +155,21 @@ impl State {
         self.ack_when_committed(conn, req, seq, None);
     }
 
-    pub(super) fn agent_event(&mut self, myself: &ActorRef<ConversationMsg>, event: AgentEvent) {
+    /// Takes in everything the agent reported since the last doorbell, as
+    /// if each event were its own message: the fanout is settled after each
+    /// (an event may end the turn) and a full batch goes to the store at
+    /// once.
+    pub(super) fn agent_events(&mut self, myself: &ActorRef<ConversationMsg>) {
+        for event in self.agent_inbox.take() {
+            self.agent_event(myself, event);
+            self.settle_fanout(myself);
+            if self.log.batch_len() >= MAX_BATCH_EVENTS {
+                self.flush(myself);
+            }
+        }
+    }
+
+    fn agent_event(&mut self, myself: &ActorRef<ConversationMsg>, event: AgentEvent) {
         let current = self.turn.as_ref().is_some_and(|t| t.id == event.turn_id);
         if !current || self.stopping.is_some() {
             // A stopped turn's runner may still report; its credit is free.

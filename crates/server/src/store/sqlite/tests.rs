@@ -14,7 +14,7 @@ fn record(id: &str, seq: u64, ts: String, data: &EventData) -> Arc<EventRecord> 
         id,
         seq,
         &ts,
-        Arc::from(data.kind()),
+        crate::event::intern_kind(data.kind()),
         &json,
     ))
 }
