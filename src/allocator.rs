@@ -39,12 +39,14 @@ mod glibc {
         }
         // glibc makes up to 8 heaps (arenas) per core, one more each time
         // a thread finds the others busy, and each keeps what was freed in
-        // it. The server's threads (the runtime's workers, the store's
-        // writer, blocking reads) then each held their own slack. One heap
-        // per core costs no CPU that the benchmarks can see, as no more
-        // threads than cores run at once (BENCHMARKS.md, item 17).
+        // it. Four per core (at least eight): one heap per core made the
+        // runtime's workers, the store's writer and its checkpointer wait
+        // on each other's heap locks (saturated, 10 % fewer events per
+        // second at 10 % more CPU per event), while four per core hold
+        // what one per core held within a few MiB (BENCHMARKS.md, items
+        // 17 and 20).
         if !set("MALLOC_ARENA_MAX") {
-            set_parameter(libc::M_ARENA_MAX, cores.max(2));
+            set_parameter(libc::M_ARENA_MAX, (4 * cores).max(8));
         }
     }
 
