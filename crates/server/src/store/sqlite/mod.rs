@@ -191,6 +191,7 @@ impl SqliteStore {
             fold_left_overlap: false,
             members: members.clone(),
             journal_row: JournalRow::default(),
+            last_group_at: None,
         };
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {
