@@ -35,35 +35,35 @@ pub enum EventData {
         client_msg_id: Option<String>,
     },
     TurnStarted {
-        turn_id: String,
+        turn_id: Arc<str>,
         message_seq: u64,
         /// Protocol §11: the interrupted turn this one runs again.
         #[serde(skip_serializing_if = "Option::is_none")]
         resumed_from: Option<String>,
     },
     TextDelta {
-        turn_id: String,
+        turn_id: Arc<str>,
         text: String,
     },
     AssistantMessage {
-        turn_id: String,
+        turn_id: Arc<str>,
         text: String,
     },
     ToolCall {
-        turn_id: String,
+        turn_id: Arc<str>,
         call_id: String,
         name: String,
         args: Value,
         target: ToolTarget,
     },
     ToolResult {
-        turn_id: String,
+        turn_id: Arc<str>,
         call_id: String,
         output: Value,
         is_error: bool,
     },
     TurnFinished {
-        turn_id: String,
+        turn_id: Arc<str>,
         status: TurnStatus,
         #[serde(skip_serializing_if = "Option::is_none")]
         error: Option<String>,

@@ -57,7 +57,7 @@ pub fn close(
             &meta.id,
             seq,
             &EventData::TurnFinished {
-                turn_id: turn_id.clone(),
+                turn_id: turn_id.as_str().into(),
                 status: TurnStatus::Interrupted,
                 error: Some(why.into()),
             },

@@ -257,7 +257,7 @@ impl State {
         if let (true, None, Some(turn_id)) = (open, &self.turn, &meta.current_turn_id) {
             m::turn_finished(status);
             self.append(EventData::TurnFinished {
-                turn_id: turn_id.clone(),
+                turn_id: turn_id.as_str().into(),
                 status,
                 error: Some(why.to_owned()),
             });

@@ -65,7 +65,7 @@ impl State {
                 "running an interrupted turn again (agent.resume_interrupted)");
         }
         self.append(EventData::TurnStarted {
-            turn_id: turn_id.to_string(),
+            turn_id: turn_id.clone(),
             message_seq: message.seq,
             resumed_from: resumed_from.clone(),
         });
@@ -109,7 +109,7 @@ impl State {
         m::turn_finished(status);
         m::turn_duration(turn.started.elapsed());
         self.append(EventData::TurnFinished {
-            turn_id: turn.id.to_string(),
+            turn_id: turn.id.clone(),
             status,
             error,
         });
@@ -146,7 +146,7 @@ impl State {
             return;
         };
         let seq = self.append(EventData::ToolResult {
-            turn_id: turn_id.to_string(),
+            turn_id: turn_id.clone(),
             call_id: call_id.clone(),
             output: output.clone(),
             is_error,
@@ -181,7 +181,7 @@ impl State {
         if event.credited {
             self.log.add_credit();
         }
-        let turn_id = event.turn_id.to_string();
+        let turn_id = event.turn_id;
         match event.output {
             AgentOutput::TextDelta(text) => {
                 self.append(EventData::TextDelta { turn_id, text });
