@@ -111,6 +111,15 @@ async fn decisions_are_logged_as_json_and_counted() {
     assert!(metric(&body, r#"linger_turns_finished_total{status="abandoned"}"#) >= 1.0);
     assert!(metric(&body, r#"linger_events_appended_total{kind="text_delta"}"#) >= 1.0);
     assert!(body.contains("linger_turn_duration_seconds_bucket"));
+    // Appends per commit are counted in powers of two, up to the writer's
+    // largest group (4,096), not in the seconds of the other histograms.
+    let groups = metric(&body, "linger_store_commit_group_size_count");
+    assert!(groups >= 1.0);
+    assert_eq!(
+        metric(&body, r#"linger_store_commit_group_size_bucket{le="4096"}"#),
+        groups
+    );
+    assert!(!body.contains(r#"linger_store_commit_group_size_bucket{le="0.0005"}"#));
     assert!(body.contains("linger_active_conversations{status=\"idle\"}"));
     let health = reqwest::get(format!("http://{}/healthz", server.addr))
         .await

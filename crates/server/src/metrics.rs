@@ -6,12 +6,19 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram, Counter};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::event::TurnStatus;
 use crate::protocol::{Status, StopReason};
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// The buckets of the histograms that count things (appends in a commit,
+/// events in a fold): 1 to 65,536 in powers of two.
+const COUNT_BUCKETS: [f64; 17] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+    16384.0, 32768.0, 65536.0,
+];
 
 /// How often the recorder's histograms fold the samples recorded since into
 /// their buckets.
@@ -22,11 +29,25 @@ const UPKEEP_EVERY: Duration = Duration::from_secs(5);
 pub fn handle() -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
+            // Durations in seconds, except the two histograms that count
+            // things: their buckets are powers of two.
             let handle = PrometheusBuilder::new()
                 .set_buckets(&[
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 300.0, 1800.0,
                 ])
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("linger_store_commit_group_size".into()),
+                        &COUNT_BUCKETS[..=12],
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("linger_store_fold_events".into()),
+                        &COUNT_BUCKETS,
+                    )
+                })
                 .ok()
                 .and_then(|b| b.install_recorder().ok())?;
             start_upkeep(handle.clone());
