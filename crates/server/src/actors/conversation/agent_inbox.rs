@@ -74,3 +74,125 @@ impl EventTarget for AgentInbox {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ractor::{Actor, ActorProcessingErr};
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::agent::AgentOutput;
+
+    /// What the stand-in conversation was sent, in mailbox order.
+    #[derive(Debug, PartialEq)]
+    enum Seen {
+        Doorbell,
+        Marker,
+    }
+
+    /// A conversation actor stand-in that reports the doorbells it gets and
+    /// a marker (`CommitSeen`) the test sends after its deliveries: the
+    /// mailbox is in order, so what precedes the marker is all that rang.
+    struct Probe;
+
+    impl Actor for Probe {
+        type Msg = ConversationMsg;
+        type State = mpsc::UnboundedSender<Seen>;
+        type Arguments = mpsc::UnboundedSender<Seen>;
+
+        async fn pre_start(
+            &self,
+            _myself: ActorRef<ConversationMsg>,
+            seen: mpsc::UnboundedSender<Seen>,
+        ) -> Result<mpsc::UnboundedSender<Seen>, ActorProcessingErr> {
+            Ok(seen)
+        }
+
+        async fn handle(
+            &self,
+            _myself: ActorRef<ConversationMsg>,
+            message: ConversationMsg,
+            seen: &mut mpsc::UnboundedSender<Seen>,
+        ) -> Result<(), ActorProcessingErr> {
+            let _ = seen.send(match message {
+                ConversationMsg::AgentEvents => Seen::Doorbell,
+                _ => Seen::Marker,
+            });
+            Ok(())
+        }
+    }
+
+    fn delta(text: &str) -> AgentEvent {
+        AgentEvent {
+            turn_id: Arc::from("t_1"),
+            output: AgentOutput::TextDelta(text.to_owned()),
+            credited: true,
+        }
+    }
+
+    fn texts(events: Vec<AgentEvent>) -> Vec<String> {
+        events
+            .into_iter()
+            .map(|e| match e.output {
+                AgentOutput::TextDelta(text) => text,
+                other => panic!("not a delta: {other:?}"),
+            })
+            .collect()
+    }
+
+    /// Sends the marker and returns what the actor saw up to it.
+    async fn seen_until_marker(
+        actor: &ActorRef<ConversationMsg>,
+        rx: &mut mpsc::UnboundedReceiver<Seen>,
+    ) -> Vec<Seen> {
+        actor
+            .cast(ConversationMsg::CommitSeen)
+            .expect("probe alive");
+        let mut seen = Vec::new();
+        loop {
+            match rx.recv().await.expect("probe alive") {
+                Seen::Marker => return seen,
+                doorbell => seen.push(doorbell),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_batch_rings_once_and_the_next_delivery_rings_again() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (actor, _) = Actor::spawn(None, Probe, tx).await.expect("probe");
+        let inbox = AgentInbox::new(actor.clone());
+
+        for text in ["a", "b", "c"] {
+            assert!(inbox.deliver(delta(text)));
+        }
+        assert_eq!(seen_until_marker(&actor, &mut rx).await, [Seen::Doorbell]);
+        assert_eq!(texts(inbox.take()), ["a", "b", "c"]);
+
+        // Taken: the queue is empty, so the next delivery rings again.
+        assert!(inbox.deliver(delta("d")));
+        assert_eq!(seen_until_marker(&actor, &mut rx).await, [Seen::Doorbell]);
+        assert_eq!(texts(inbox.take()), ["d"]);
+
+        // Closed (the conversation stopped): the runner hears it is gone
+        // and nothing rings or stays queued.
+        assert!(inbox.deliver(delta("e")));
+        inbox.close();
+        assert!(!inbox.deliver(delta("f")));
+        assert_eq!(seen_until_marker(&actor, &mut rx).await, [Seen::Doorbell]);
+        assert!(inbox.take().is_empty());
+        actor.stop(None);
+    }
+
+    #[tokio::test]
+    async fn a_conversation_gone_refuses_deliveries() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let (actor, handle) = Actor::spawn(None, Probe, tx).await.expect("probe");
+        let inbox = AgentInbox::new(actor.clone());
+        actor.stop(None);
+        handle.await.expect("probe stopped");
+        assert!(!inbox.deliver(delta("a")), "the doorbell cannot ring");
+        assert!(!inbox.deliver(delta("b")), "and the inbox stays closed");
+        assert!(inbox.take().is_empty());
+    }
+}
