@@ -22,6 +22,12 @@ pub(super) struct AgentInbox {
 #[derive(Default)]
 struct Queue {
     events: Vec<AgentEvent>,
+    /// How many the last take took: the next delivery into an empty queue
+    /// makes room for as many at once instead of growing from one by
+    /// doubling (each step a copy of everything queued).
+    /// The room is made on delivery, not on take, so an idle
+    /// conversation's inbox holds none.
+    last_taken: usize,
     /// The conversation stopped: nothing is taken in any more.
     closed: bool,
 }
@@ -37,7 +43,10 @@ impl AgentInbox {
     /// Everything delivered since the last take, in order. The doorbell's
     /// handler calls it; the next delivery rings again.
     pub(super) fn take(&self) -> Vec<AgentEvent> {
-        std::mem::take(&mut self.lock().events)
+        let mut queue = self.lock();
+        let events = std::mem::take(&mut queue.events);
+        queue.last_taken = events.len();
+        events
     }
 
     /// The conversation stopped: what is queued is dropped (a stopped
@@ -63,6 +72,10 @@ impl EventTarget for AgentInbox {
             let mut queue = self.lock();
             if queue.closed {
                 return false;
+            }
+            if queue.events.capacity() == 0 {
+                let room = queue.last_taken;
+                queue.events.reserve(room);
             }
             queue.events.push(event);
             queue.events.len() == 1
@@ -181,6 +194,31 @@ mod tests {
         assert!(!inbox.deliver(delta("f")));
         assert_eq!(seen_until_marker(&actor, &mut rx).await, [Seen::Doorbell]);
         assert!(inbox.take().is_empty());
+        actor.stop(None);
+    }
+
+    #[tokio::test]
+    async fn an_idle_inbox_holds_no_room_and_the_next_batch_gets_the_last_ones() {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let (actor, _) = Actor::spawn(None, Probe, tx).await.expect("probe");
+        let inbox = AgentInbox::new(actor.clone());
+        for _ in 0..100 {
+            assert!(inbox.deliver(delta("x")));
+        }
+        assert_eq!(inbox.take().len(), 100);
+        assert_eq!(inbox.lock().events.capacity(), 0, "idle: no room held");
+
+        assert!(inbox.deliver(delta("y")));
+        assert!(
+            inbox.lock().events.capacity() >= 100,
+            "the first delivery makes room for a batch like the last"
+        );
+        assert_eq!(inbox.take().len(), 1);
+        assert!(inbox.deliver(delta("z")));
+        assert!(
+            inbox.lock().events.capacity() < 100,
+            "a small batch shrinks the room made for the next"
+        );
         actor.stop(None);
     }
 

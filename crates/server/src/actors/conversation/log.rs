@@ -86,6 +86,10 @@ pub(super) struct Log {
     /// Every seq up to this one is durable and may be sent.
     committed: u64,
     batch: Batch,
+    /// How many events the last batch held: the next one's first append
+    /// makes room for as many, instead of growing from one by doubling
+    /// (each step a copy). An idle log holds no room at all.
+    last_batch_len: usize,
     /// Handed to the store, not yet committed, in seq order.
     in_flight: VecDeque<Arc<EventRecord>>,
     buffer: ReplayBuffer,
@@ -103,6 +107,7 @@ impl Log {
             next_seq: 1,
             committed: 0,
             batch: Batch::default(),
+            last_batch_len: 0,
             in_flight: VecDeque::new(),
             buffer: ReplayBuffer::default(),
             waiting: VecDeque::new(),
@@ -154,6 +159,9 @@ impl Log {
     pub(super) fn append(&mut self, data: &EventData) -> Arc<EventRecord> {
         let record = Arc::new(EventRecord::new(&self.conversation, self.next_seq, data));
         self.next_seq += 1;
+        if self.batch.events.capacity() == 0 {
+            self.batch.events.reserve(self.last_batch_len);
+        }
         self.batch.events.push(record.clone());
         record
     }
@@ -191,6 +199,7 @@ impl Log {
             forget_client_msg_ids_before,
             create,
         } = std::mem::take(&mut self.batch);
+        self.last_batch_len = events.len();
         self.in_flight.extend(events.iter().cloned());
         Some(Write {
             upto: self.last_assigned(),
@@ -213,7 +222,17 @@ impl Log {
     /// those events move into the replay buffer (at most `buffer_cap`
     /// events), and they and the replies waiting on them are released.
     pub(super) fn commit(&mut self, upto: u64, buffer_cap: usize) -> Released {
-        let mut released = Released::default();
+        // In flight is contiguous in seq: its first `upto - first + 1`
+        // events are the ones released.
+        let releasing = self.in_flight.front().map_or(0, |first| {
+            let upto_first = upto.saturating_add(1).saturating_sub(first.seq);
+            usize::try_from(upto_first)
+                .map_or(self.in_flight.len(), |n| n.min(self.in_flight.len()))
+        });
+        let mut released = Released {
+            events: Vec::with_capacity(releasing),
+            replies: Vec::new(),
+        };
         while let Some(record) = self.in_flight.pop_front() {
             if record.seq > upto {
                 self.in_flight.push_front(record);
@@ -335,6 +354,30 @@ mod tests {
         assert_eq!(log.batch_len(), 0);
         assert!(!log.nothing_in_flight());
         assert!(log.take_batch().is_none(), "an empty batch is no write");
+    }
+
+    #[test]
+    fn an_idle_batch_holds_no_room_and_the_next_gets_the_last_ones() {
+        let mut log = log();
+        append(&mut log, 50);
+        let write = log.take_batch().expect("a batch");
+        assert_eq!(log.batch.events.capacity(), 0, "idle: no room held");
+        append(&mut log, 1);
+        assert!(
+            log.batch.events.capacity() >= 50,
+            "the first append makes room for a batch like the last"
+        );
+        let released = log.commit(write.upto, 16);
+        assert_eq!(seqs(&released.events), (1..=50).collect::<Vec<_>>());
+        assert_eq!(
+            released.events.capacity(),
+            50,
+            "released events are counted before they are moved"
+        );
+        let rest = log.take_batch().expect("a batch");
+        assert_eq!(seqs(&log.commit(rest.upto, 16).events), [51]);
+        append(&mut log, 1);
+        assert!(log.batch.events.capacity() < 50, "and shrinks with it");
     }
 
     #[test]
