@@ -21,7 +21,7 @@
 //!   configuration; [`reload`]: changing it live (SIGHUP,
 //!   `POST /v1/admin/reload`); [`logging`]: stderr logs whose level and
 //!   format a reload changes; [`server`]: start and graceful shutdown;
-//!   [`metrics`]: Prometheus names.
+//!   [`metrics`]: Prometheus names; [`heap`]: freed memory given back.
 
 pub mod actors;
 pub mod agent;
@@ -29,6 +29,7 @@ pub mod cluster;
 pub mod config;
 pub mod event;
 pub mod gateway;
+pub mod heap;
 pub mod logging;
 pub mod metrics;
 pub mod protocol;

@@ -111,7 +111,21 @@ pub(super) struct Writer {
     /// When the last group started: the next starts [`GROUP_SPACING`]
     /// after it at the earliest.
     pub(super) last_group_at: Option<Instant>,
+    /// A fold finished since the heaps last gave their free pages back
+    /// (see [`QUIET_BEFORE_RELEASE`]).
+    pub(super) fold_freed: bool,
 }
+
+/// How long the writer waits with nothing to do, after a fold finished,
+/// before the process's heaps give their free pages back
+/// ([`crate::heap::release_freed`]). A fold holds every run it moves
+/// (up to [`journal::FOLD_BYTES`] of events and their bookkeeping), and
+/// this thread allocates them among the rows its caches keep: once freed,
+/// they stayed resident (about 0.5 KiB per conversation created in a
+/// burst, BENCHMARKS.md). Only when the store is quiet: under load the
+/// pages are about to be used again, and giving them back would cost a
+/// page fault each.
+const QUIET_BEFORE_RELEASE: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The least time from one group's start to the next's. Under paced load
 /// appends come one by one, and a writer that took each as it came woke,
@@ -151,6 +165,22 @@ impl Writer {
                             Ok(cmd) => Some(cmd),
                             Err(RecvTimeoutError::Timeout) => {
                                 self.fold_work();
+                                continue;
+                            }
+                            Err(RecvTimeoutError::Disconnected) => break,
+                        }
+                    } else if self.fold_freed {
+                        match self.rx.recv_timeout(QUIET_BEFORE_RELEASE) {
+                            Ok(cmd) => Some(cmd),
+                            Err(RecvTimeoutError::Timeout) => {
+                                self.fold_freed = false;
+                                let started = Instant::now();
+                                let released = crate::heap::release_freed();
+                                tracing::debug!(
+                                    released,
+                                    took_us = started.elapsed().as_micros() as u64,
+                                    "store: quiet after a fold, the heaps gave their free pages back"
+                                );
                                 continue;
                             }
                             Err(RecvTimeoutError::Disconnected) => break,
@@ -248,6 +278,7 @@ impl Writer {
                 self.journal.fold_finished();
                 self.members.narrow_to(self.journal.written());
                 crate::metrics::store_fold(fold.busy, fold.events);
+                self.fold_freed = true;
             }
             Ok((fold, false)) => self.fold = Some(fold),
             Err(e) => {
