@@ -192,7 +192,7 @@ impl SqliteStore {
             members: members.clone(),
             journal_row: JournalRow::default(),
             last_group_at: None,
-            fold_freed: false,
+            wrote_since_release: false,
         };
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {

@@ -111,20 +111,24 @@ pub(super) struct Writer {
     /// When the last group started: the next starts [`GROUP_SPACING`]
     /// after it at the earliest.
     pub(super) last_group_at: Option<Instant>,
-    /// A fold finished since the heaps last gave their free pages back
-    /// (see [`QUIET_BEFORE_RELEASE`]).
-    pub(super) fold_freed: bool,
+    /// A group or a fold ran since the heaps last gave their free pages
+    /// back (see [`QUIET_BEFORE_RELEASE`]).
+    pub(super) wrote_since_release: bool,
 }
 
-/// How long the writer waits with nothing to do, after a fold finished,
-/// before the process's heaps give their free pages back
-/// ([`crate::heap::release_freed`]). A fold holds every run it moves
-/// (up to [`journal::FOLD_BYTES`] of events and their bookkeeping), and
-/// this thread allocates them among the rows its caches keep: once freed,
-/// they stayed resident (about 0.5 KiB per conversation created in a
-/// burst, BENCHMARKS.md). Only when the store is quiet: under load the
-/// pages are about to be used again, and giving them back would cost a
-/// page fault each.
+/// How long the writer waits with nothing to do, after it wrote, before
+/// the process's heaps give their free pages back
+/// ([`crate::heap::release_freed`]). Every event passes through here, so
+/// a quiet writer is a quiet server: what the traffic freed (evicted
+/// events, sockets' buffers, a fold's working set, which this thread
+/// allocates among the rows its caches keep) otherwise stays resident,
+/// and a server's memory stayed at its busiest (BENCHMARKS.md, item 23).
+/// Only when quiet: under load the pages are about to be used again, and
+/// giving them back would cost a page fault each. Once per quiet spell,
+/// so at most twice a second: under a millisecond at 10,000 idle
+/// conversations here, 59 ms after 10 million events had left 370 MiB
+/// free (the kernel unmapping the pages); an append that comes meanwhile
+/// waits that long.
 const QUIET_BEFORE_RELEASE: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The least time from one group's start to the next's. Under paced load
@@ -169,17 +173,17 @@ impl Writer {
                             }
                             Err(RecvTimeoutError::Disconnected) => break,
                         }
-                    } else if self.fold_freed {
+                    } else if self.wrote_since_release {
                         match self.rx.recv_timeout(QUIET_BEFORE_RELEASE) {
                             Ok(cmd) => Some(cmd),
                             Err(RecvTimeoutError::Timeout) => {
-                                self.fold_freed = false;
+                                self.wrote_since_release = false;
                                 let started = Instant::now();
                                 let released = crate::heap::release_freed();
                                 tracing::debug!(
                                     released,
                                     took_us = started.elapsed().as_micros() as u64,
-                                    "store: quiet after a fold, the heaps gave their free pages back"
+                                    "store: quiet after writes, the heaps gave their free pages back"
                                 );
                                 continue;
                             }
@@ -215,6 +219,7 @@ impl Writer {
             }
             self.last_group_at = Some(Instant::now());
             self.run_group(&mut group);
+            self.wrote_since_release = true;
             self.fold_work();
             if self.restart_wanted.load(Ordering::Relaxed) {
                 self.busy_groups += 1;
@@ -278,7 +283,7 @@ impl Writer {
                 self.journal.fold_finished();
                 self.members.narrow_to(self.journal.written());
                 crate::metrics::store_fold(fold.busy, fold.events);
-                self.fold_freed = true;
+                self.wrote_since_release = true;
             }
             Ok((fold, false)) => self.fold = Some(fold),
             Err(e) => {
