@@ -237,9 +237,10 @@ async fn once_traffic_stops_the_memory_it_freed_goes_back_to_the_system() {
     }
     let (_, after_traffic) = server.memory_kib();
     // The store's writer gives the heaps' free pages back half a second
-    // into a quiet spell (after the journal's last fold, due three seconds
-    // after its first write): RSS is only observable by reading it, so it
-    // is read until it has fallen far enough, or the deadline passes.
+    // into a quiet spell after it wrote, and again after the journal's
+    // fold (due three seconds after its first write): RSS is only
+    // observable by reading it, so it is read until it has fallen far
+    // enough, or the deadline passes.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let mut resident = vec![after_traffic];
     while resident[resident.len() - 1] + RELEASED_AT_LEAST_KIB > after_traffic {
