@@ -222,22 +222,13 @@ impl Log {
     /// those events move into the replay buffer (at most `buffer_cap`
     /// events), and they and the replies waiting on them are released.
     pub(super) fn commit(&mut self, upto: u64, buffer_cap: usize) -> Released {
-        // In flight is contiguous in seq: its first `upto - first + 1`
-        // events are the ones released.
-        let releasing = self.in_flight.front().map_or(0, |first| {
-            let upto_first = upto.saturating_add(1).saturating_sub(first.seq);
-            usize::try_from(upto_first)
-                .map_or(self.in_flight.len(), |n| n.min(self.in_flight.len()))
-        });
+        // In flight is in seq order: the released events are a prefix.
+        let releasing = self.in_flight.partition_point(|record| record.seq <= upto);
         let mut released = Released {
             events: Vec::with_capacity(releasing),
             replies: Vec::new(),
         };
-        while let Some(record) = self.in_flight.pop_front() {
-            if record.seq > upto {
-                self.in_flight.push_front(record);
-                break;
-            }
+        for record in self.in_flight.drain(..releasing) {
             self.buffer.push(record.clone(), buffer_cap);
             released.events.push(record);
         }
