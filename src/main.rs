@@ -189,7 +189,7 @@ async fn run() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    let logging = linger::logging::init(&config.log);
+    let (logging, log_flush) = linger::logging::init(&config.log);
     let signals = ShutdownSignals::install();
     let reload_signal = ReloadSignal::install();
     let setup = Setup {
@@ -199,6 +199,8 @@ async fn run() -> anyhow::Result<()> {
     let server = match Server::start_setup(config, setup, |store| store).await {
         Ok(server) => server,
         Err(e) => {
+            // What was logged on the way to the failure comes first.
+            drop(log_flush);
             eprintln!("linger: cannot start: {e}");
             std::process::exit(1);
         }
@@ -206,5 +208,6 @@ async fn run() -> anyhow::Result<()> {
     reload_signal.serve(server.reloader());
     signals.wait().await;
     server.shutdown().await;
+    drop(log_flush);
     Ok(())
 }

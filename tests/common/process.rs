@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -18,6 +18,8 @@ pub struct ServerProcess {
     pub pid: u32,
     http: reqwest::Client,
     log: Arc<Mutex<Vec<String>>>,
+    /// Whether the log's reader may read on (see [`ServerProcess::stop_reading_log`]).
+    log_open: Arc<(Mutex<bool>, Condvar)>,
     new_line: mpsc::Receiver<String>,
     exit: mpsc::Receiver<ExitStatus>,
     exited: Option<ExitStatus>,
@@ -55,8 +57,18 @@ impl ServerProcess {
         let log = Arc::new(Mutex::new(Vec::new()));
         let (line_tx, new_line) = mpsc::channel();
         let sink = log.clone();
+        let log_open = Arc::new((Mutex::new(true), Condvar::new()));
+        let gate = log_open.clone();
         std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let mut lines = BufReader::new(stderr).lines();
+            loop {
+                let (open, opened) = &*gate;
+                drop(
+                    opened
+                        .wait_while(open.lock().unwrap(), |open| !*open)
+                        .unwrap(),
+                );
+                let Some(Ok(line)) = lines.next() else { break };
                 sink.lock().unwrap().push(line.clone());
                 let _ = line_tx.send(line);
             }
@@ -72,6 +84,7 @@ impl ServerProcess {
             pid,
             http: reqwest::Client::new(),
             log,
+            log_open,
             new_line,
             exit,
             exited: None,
@@ -166,6 +179,19 @@ impl ServerProcess {
                 ),
             }
         }
+    }
+
+    /// Stops reading the server's stderr (after the line being read): the
+    /// pipe fills up and its writes block, as with a log nobody reads.
+    pub fn stop_reading_log(&self) {
+        *self.log_open.0.lock().unwrap() = false;
+    }
+
+    /// Reads the server's stderr again.
+    pub fn resume_reading_log(&self) {
+        let (open, opened) = &*self.log_open;
+        *open.lock().unwrap() = true;
+        opened.notify_all();
     }
 
     pub fn log(&self) -> Vec<String> {

@@ -10,6 +10,19 @@
 //! layer for another at a reload would leave the actors' long-lived spans
 //! without it.
 //!
+//! Lines reach stderr through a writer thread (`tracing-appender`'s
+//! non-blocking writer, [`QUEUED_LINES`] lines at most waiting): an
+//! actor's log line costs its formatting, never a write. Written from the
+//! actors' threads, one `write` per line took about 4 % of the server's CPU
+//! when turns start and end by the thousand, queued the whole runtime
+//! behind the stderr lock in a burst of turn starts, and froze every
+//! conversation that logged while nobody read stderr (a full pipe). The
+//! thread writes what has queued up in one go. When stderr falls so far
+//! behind that the queue is full, lines are dropped rather than waited for:
+//! they are counted (`linger_log_lines_dropped_total`) and a warning says how
+//! many once the log flows again. What is queued when the process is
+//! killed is lost; an orderly exit writes it ([`LogFlush`]).
+//!
 //! Dependencies that log through the `log` crate (tungstenite, hyper, …)
 //! reach this subscriber through tracing-subscriber's bridge, which lets
 //! every level through when the filter's maximum cannot be told from the
@@ -18,9 +31,12 @@
 //! `log` crate's own maximum follows the filter's, at start and at every
 //! reload.
 
-use std::io::IsTerminal;
+use std::io::{BufWriter, IsTerminal};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
+
+use tracing_appender::non_blocking::{ErrorCounter, NonBlockingBuilder, WorkerGuard};
 
 use tracing::subscriber::Interest;
 use tracing::Metadata;
@@ -94,20 +110,69 @@ fn is_runtime_span(meta: &Metadata<'_>) -> bool {
     meta.is_span() && meta.target().starts_with("ractor")
 }
 
-/// Installs the process's logging (once, at start).
-pub fn init(config: &LogConfig) -> Arc<Logging> {
+/// Lines waiting for stderr at most (a few MB at a few hundred bytes a
+/// line): room for the two lines of each of 10,000 turns starting at once,
+/// as a burst of them does.
+pub const QUEUED_LINES: usize = 16_384;
+
+/// How often dropped lines are looked for, to be counted and warned of.
+const DROPS_CHECKED_EVERY: Duration = Duration::from_secs(5);
+
+/// Writes out the queued lines when dropped: hold it until the process
+/// exits, and drop it before `std::process::exit`, which skips destructors.
+pub struct LogFlush {
+    _worker: WorkerGuard,
+}
+
+/// Installs the process's logging (once, at start). Inside a tokio
+/// runtime, a task counts and reports dropped lines.
+pub fn init(config: &LogConfig) -> (Arc<Logging>, LogFlush) {
     let from_env = std::env::var(LEVEL_ENV)
         .ok()
         .filter(|v| !v.trim().is_empty())
         .and_then(|v| EnvFilter::builder().parse(v).ok());
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    let (subscriber, logging) = subscriber(config, from_env, std::io::stderr, ansi);
+    // Buffered: the writer thread flushes once the queue is empty, so a
+    // burst of lines is one write.
+    let (writer, worker) = NonBlockingBuilder::default()
+        .buffered_lines_limit(QUEUED_LINES)
+        .lossy(true)
+        .thread_name("linger-log")
+        .finish(BufWriter::new(std::io::stderr()));
+    let dropped = writer.error_counter();
+    let (subscriber, logging) = subscriber(config, from_env, writer, ansi);
     // Only fails when a subscriber is already installed (embedded use):
     // that one stays.
     let mut logging = logging;
     logging.installed = subscriber.try_init().is_ok();
     logging.sync_log_crate();
-    Arc::new(logging)
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(report_drops(dropped));
+    }
+    (Arc::new(logging), LogFlush { _worker: worker })
+}
+
+/// Counts the lines dropped since the last look and, when there are some,
+/// says so in the log (while the queue stays full that warning is dropped
+/// too, and counted in the next one).
+async fn report_drops(dropped: ErrorCounter) {
+    let mut reported = 0;
+    let mut every = tokio::time::interval(DROPS_CHECKED_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let total = dropped.dropped_lines();
+        if total > reported {
+            let lines = total - reported;
+            reported = total;
+            crate::metrics::log_lines_dropped(lines as u64);
+            tracing::warn!(
+                dropped = lines,
+                queued_at_most = QUEUED_LINES,
+                "log: lines were dropped, stderr took them slower than they came"
+            );
+        }
+    }
 }
 
 /// The most verbose level `filter` lets through, for the `log` crate.

@@ -183,6 +183,11 @@ pub fn slow_consumer_closed() {
     counter!("linger_slow_consumer_closes_total").increment(1);
 }
 
+/// Log lines dropped because stderr took them slower than they came.
+pub fn log_lines_dropped(lines: u64) {
+    counter!("linger_log_lines_dropped_total").increment(lines);
+}
+
 /// A configuration reload, by outcome (`applied`, `partly_applied`,
 /// `refused`, `nothing_changed`, `invalid`).
 pub fn config_reloaded(outcome: &str) {
