@@ -181,6 +181,37 @@ impl ServerProcess {
         }
     }
 
+    /// Waits for a line matching `pred` that comes after the `nth` line
+    /// matching `after` (the first is 1), both perhaps already written.
+    pub fn wait_for_log_after(
+        &mut self,
+        after: impl Fn(&str) -> bool,
+        nth: usize,
+        pred: impl Fn(&str) -> bool,
+    ) -> String {
+        let found = |log: &[String]| {
+            let (start, _) = log
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| after(l))
+                .nth(nth - 1)?;
+            log[start + 1..].iter().find(|l| pred(l)).cloned()
+        };
+        let deadline = std::time::Instant::now() + RECV_TIMEOUT;
+        loop {
+            if let Some(line) = found(&self.log.lock().unwrap()) {
+                return line;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if self.new_line.recv_timeout(left).is_err() {
+                panic!(
+                    "no matching log line in {RECV_TIMEOUT:?} after the one numbered {nth} of those it must follow; log:\n{}",
+                    self.log.lock().unwrap().join("\n")
+                );
+            }
+        }
+    }
+
     /// Stops reading the server's stderr (after the line being read): the
     /// pipe fills up and its writes block, as with a log nobody reads.
     pub fn stop_reading_log(&self) {
