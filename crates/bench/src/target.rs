@@ -337,14 +337,15 @@ async fn launch(mut cmd: Command, dir: &Path) -> anyhow::Result<(Child, String)>
         Ok(Err(e)) => return Err(e.context(format!("see {}", log_path.display()))),
         Err(_) => bail!("the server did not start within {START_TIMEOUT:?}"),
     };
-    // Keep draining its log so that it never blocks on stderr.
+    // Keep draining its log so that it never blocks on stderr: in chunks
+    // of what has come, not line by line. Each write to a tokio file is a
+    // hop to a blocking thread; two per line took enough of the generator's
+    // time, when 10,000 turns start at once and each logs, to show as
+    // latency (p99 160 to 200 ms read through this log against 18 to 21 ms
+    // with the server's log sent straight to a file).
+    let mut rest = lines.into_inner();
     tokio::spawn(async move {
-        while let Ok(Some(line)) = lines.next_line().await {
-            if log.write_all(line.as_bytes()).await.is_err() {
-                break;
-            }
-            let _ = log.write_all(b"\n").await;
-        }
+        let _ = tokio::io::copy_buf(&mut rest, &mut log).await;
     });
     Ok((child, addr))
 }
