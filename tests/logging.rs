@@ -6,6 +6,7 @@ mod common;
 
 use common::process::{temp_store, ServerProcess};
 use common::Client;
+use linger::logging::QUEUED_LINES;
 use std::time::{Duration, Instant};
 
 /// Users opening connections side by side, each one at a time.
@@ -14,9 +15,6 @@ const USERS: usize = 16;
 /// opened", "connection closed"), 19,200 in all, more than the log's queue
 /// (16,384 lines) and the pipe (64 KiB) hold together.
 const CONNECTIONS_PER_USER: usize = 600;
-
-/// The server's queue of log lines (`logging::QUEUED_LINES`).
-const QUEUED_LINES: usize = 16_384;
 
 /// How long the dropped lines may take to be counted: the server looks
 /// every 5 seconds.
