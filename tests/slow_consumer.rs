@@ -191,14 +191,6 @@ async fn a_client_that_reads_nothing_for_its_patience_is_closed_with_4008() {
     assert_contiguous(&resumed, next);
     let _ = json!({});
     // Counted for operators (README, "Metrics").
-    let (status, metrics) = server.get("/metrics", None).await;
-    assert_eq!(status, 200);
-    let closes = metrics
-        .as_str()
-        .and_then(|text| {
-            text.lines()
-                .find_map(|l| l.strip_prefix("linger_slow_consumer_closes_total "))
-        })
-        .and_then(|n| n.trim().parse::<f64>().ok());
-    assert!(closes >= Some(1.0), "{metrics}");
+    let closes = server.metric("linger_slow_consumer_closes_total").await;
+    assert!(closes >= 1.0, "{closes} slow-consumer closes counted");
 }

@@ -152,6 +152,25 @@ impl ServerProcess {
 
     /// The stored events of a conversation after `after`, through REST
     /// (which never activates or attaches), paged until `head_seq`.
+    /// The value `/metrics` shows for a series (its name, with its labels
+    /// if it has some), 0 when it has not counted anything yet.
+    pub async fn metric(&self, series: &str) -> f64 {
+        let (status, metrics) = self.get("/metrics", None).await;
+        assert_eq!(status, 200, "/metrics: {metrics}");
+        metrics
+            .as_str()
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(series)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0.0)
+    }
+
     pub async fn stored_events(&self, id: &str, user: &str, after: u64) -> Vec<Value> {
         super::stored_events_at(&self.http, &self.http_url(""), id, user, after).await
     }

@@ -13,11 +13,10 @@
 //! Lines reach stderr through a writer thread (`tracing-appender`'s
 //! non-blocking writer, [`QUEUED_LINES`] lines at most waiting): an
 //! actor's log line costs its formatting, never a write. Written from the
-//! actors' threads, one `write` per line took about 4 % of the server's CPU
-//! when turns start and end by the thousand, queued the whole runtime
-//! behind the stderr lock in a burst of turn starts, and froze every
-//! conversation that logged while nobody read stderr (a full pipe). The
-//! thread writes what has queued up in one go. When stderr falls so far
+//! actors' threads, each line waited for stderr's reader: a reader slower
+//! than the server (a pipe to a busy collector, a paused terminal) held up
+//! every conversation that logged, and one that stopped reading froze
+//! them. The thread writes what has queued up in one go. When stderr falls so far
 //! behind that the queue is full, lines are dropped rather than waited for:
 //! they are counted (`linger_log_lines_dropped_total`) and a warning says how
 //! many once the log flows again. What is queued when the process is
