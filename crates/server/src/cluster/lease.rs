@@ -87,43 +87,52 @@ pub enum Lookup {
     Free { revision: Option<u64> },
 }
 
-/// The owners bucket, seen from one node.
+/// The owners bucket, seen from one node. Cloned into every remote
+/// attachment's proxy and route and into each activity publish, so a
+/// clone is a pointer: the bucket handles inside are about 4 KiB, which
+/// every proxy's actor kept twice (ractor holds a state in two slots).
 #[derive(Clone)]
 pub struct Leases {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     cluster: Cluster,
     kv: kv::Store,
     liveness: Liveness,
     /// Who holds what, as the watch last showed it.
-    seen: Arc<Mutex<HashMap<String, (Holder, u64)>>>,
+    seen: Mutex<HashMap<String, (Holder, u64)>>,
 }
 
 impl Leases {
     pub async fn open(cluster: &Cluster, liveness: Liveness) -> Result<Leases, ClusterError> {
         Ok(Leases {
-            kv: cluster.bucket(&cluster.options.owners_bucket()).await?,
-            cluster: cluster.clone(),
-            liveness,
-            seen: Arc::default(),
+            shared: Arc::new(Shared {
+                kv: cluster.bucket(&cluster.options.owners_bucket()).await?,
+                cluster: cluster.clone(),
+                liveness,
+                seen: Mutex::default(),
+            }),
         })
     }
 
     pub fn node(&self) -> &str {
-        self.liveness.node()
+        self.shared.liveness.node()
     }
 
     pub fn liveness(&self) -> &Liveness {
-        &self.liveness
+        &self.shared.liveness
     }
 
     fn seen(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Holder, u64)>> {
-        self.seen.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.seen.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// This process's record with `term`, and its encoding.
     fn record(&self, term: u64) -> Result<(Holder, bytes::Bytes), ClusterError> {
         let holder = Holder {
             node: self.node().to_owned(),
-            incarnation: self.liveness.incarnation().to_owned(),
+            incarnation: self.shared.liveness.incarnation().to_owned(),
             term,
         };
         let value =
@@ -133,7 +142,7 @@ impl Leases {
 
     /// Whether `holder` is this very process.
     pub fn is_mine(&self, holder: &Holder) -> bool {
-        holder.node == self.node() && holder.incarnation == self.liveness.incarnation()
+        holder.node == self.node() && holder.incarnation == self.shared.liveness.incarnation()
     }
 
     /// The conversation's record from the bucket's leader, and whether its
@@ -141,9 +150,9 @@ impl Leases {
     pub async fn lookup(&self, conversation: &str) -> Result<Lookup, ClusterError> {
         check_token(conversation)?;
         let got = super::leader_entry(
-            &self.kv,
+            &self.shared.kv,
             conversation,
-            self.cluster.options.op_timeout,
+            self.shared.cluster.options.op_timeout,
             "reading an ownership record",
         )
         .await?;
@@ -153,6 +162,7 @@ impl Leases {
         let holder: Holder = serde_json::from_slice(&value)
             .map_err(|e| ClusterError::Corrupt(format!("owner of {conversation}: {e}")))?;
         if self
+            .shared
             .liveness
             .is_alive(&holder.node, &holder.incarnation)
             .await?
@@ -185,16 +195,18 @@ impl Leases {
         check_token(conversation)?;
         let (holder, value) = self.record(term)?;
         let written = with_deadline(
-            self.cluster.options.op_timeout,
+            self.shared.cluster.options.op_timeout,
             "writing an ownership record",
             || async {
                 let result = match orphan {
                     None => self
+                        .shared
                         .kv
                         .create(conversation, value.clone())
                         .await
                         .map_err(|e| (e.kind() == CreateErrorKind::AlreadyExists, e.to_string())),
                     Some(revision) => self
+                        .shared
                         .kv
                         .update(conversation, value.clone(), revision)
                         .await
@@ -231,10 +243,11 @@ impl Leases {
     /// meanwhile is not an error.
     pub async fn release(&self, lease: Lease) -> Result<(), ClusterError> {
         with_deadline(
-            self.cluster.options.op_timeout,
+            self.shared.cluster.options.op_timeout,
             "releasing an ownership record",
             || async {
                 match self
+                    .shared
                     .kv
                     .purge_expect_revision_with_ttl(
                         &lease.conversation,
@@ -293,7 +306,7 @@ impl Leases {
     /// with each record written (conversation, holder, revision). Returns
     /// when the watch breaks; the caller watches again.
     pub async fn watch(&self, mut claimed: impl FnMut(&str, &Holder, u64)) -> ClusterError {
-        super::watch_kv(&self.kv, "*", |entry| {
+        super::watch_kv(&self.shared.kv, "*", |entry| {
             match entry.operation {
                 Operation::Put => {
                     if let Ok(holder) = serde_json::from_slice::<Holder>(&entry.value) {
@@ -319,10 +332,11 @@ impl Leases {
             .into();
         let key = activity_key(user, &activity.conversation);
         with_deadline(
-            self.cluster.options.op_timeout,
+            self.shared.cluster.options.op_timeout,
             "publishing activity",
             || async {
-                self.kv
+                self.shared
+                    .kv
                     .put(&key, value.clone())
                     .await
                     .map(|_| ())
@@ -340,10 +354,11 @@ impl Leases {
     ) -> Result<(), ClusterError> {
         let key = activity_key(user, conversation);
         with_deadline(
-            self.cluster.options.op_timeout,
+            self.shared.cluster.options.op_timeout,
             "withdrawing activity",
             || async {
-                self.kv
+                self.shared
+                    .kv
                     .purge_with_ttl(&key, RELEASED_MARKER_TTL)
                     .await
                     .map_err(|e| ClusterError::Unavailable(e.to_string()))
@@ -357,9 +372,9 @@ impl Leases {
     pub async fn user_activity(&self, user: &str) -> Result<Vec<Activity>, ClusterError> {
         let pattern = format!("u.{}.*", super::meta::user_token(user));
         let keys = super::kv_keys(
-            &self.kv,
+            &self.shared.kv,
             &pattern,
-            self.cluster.options.op_timeout,
+            self.shared.cluster.options.op_timeout,
             "listing a user's activity",
         )
         .await?;
@@ -367,10 +382,11 @@ impl Leases {
         for key in keys {
             let key = key.as_str();
             let value = with_deadline(
-                self.cluster.options.op_timeout,
+                self.shared.cluster.options.op_timeout,
                 "reading a user's activity",
                 || async {
-                    self.kv
+                    self.shared
+                        .kv
                         .get(key)
                         .await
                         .map_err(|e| ClusterError::Unavailable(e.to_string()))
@@ -381,6 +397,7 @@ impl Leases {
             let activity = serde_json::from_slice::<Activity>(&value)
                 .map_err(|e| ClusterError::Corrupt(format!("activity {key}: {e}")))?;
             if self
+                .shared
                 .liveness
                 .is_alive(&activity.node, &activity.incarnation)
                 .await?
