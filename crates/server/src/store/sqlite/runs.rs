@@ -274,7 +274,7 @@ pub(super) fn journal_needle(id: &str) -> String {
 /// Writes `s` as a JSON string. A ts and a kind never need escaping, so
 /// the common case is copied without the allocation a serializer makes.
 fn push_json_str(out: &mut String, s: &str) {
-    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+    if !crate::event::needs_json_escape(s) {
         out.push('"');
         out.push_str(s);
         out.push('"');
