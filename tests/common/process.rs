@@ -150,8 +150,6 @@ impl ServerProcess {
         super::http_call(&self.http, &self.http_url(""), method, path, token, body).await
     }
 
-    /// The stored events of a conversation after `after`, through REST
-    /// (which never activates or attaches), paged until `head_seq`.
     /// The value `/metrics` shows for a series (its name, with its labels
     /// if it has some), 0 when it has not counted anything yet.
     pub async fn metric(&self, series: &str) -> f64 {
@@ -171,6 +169,8 @@ impl ServerProcess {
             .unwrap_or(0.0)
     }
 
+    /// The stored events of a conversation after `after`, through REST
+    /// (which never activates or attaches), paged until `head_seq`.
     pub async fn stored_events(&self, id: &str, user: &str, after: u64) -> Vec<Value> {
         super::stored_events_at(&self.http, &self.http_url(""), id, user, after).await
     }

@@ -16,10 +16,10 @@
 //! actors' threads, each line waited for stderr's reader: a reader slower
 //! than the server (a pipe to a busy collector, a paused terminal) held up
 //! every conversation that logged, and one that stopped reading froze
-//! them. The thread writes what has queued up in one go. When stderr falls so far
-//! behind that the queue is full, lines are dropped rather than waited for:
-//! they are counted (`linger_log_lines_dropped_total`) and a warning says how
-//! many once the log flows again. What is queued when the process is
+//! them. The thread writes what has queued up in one go. When stderr falls
+//! so far behind that the queue is full, lines are dropped rather than
+//! waited for: they are counted (`linger_log_lines_dropped_total`) and a
+//! warning says how many once the log flows again. What is queued when the process is
 //! killed is lost; an orderly exit writes it ([`LogFlush`]).
 //!
 //! Dependencies that log through the `log` crate (tungstenite, hyper, …)
