@@ -336,7 +336,7 @@ async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_histo
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 4);
+    assert_eq!(version, 5);
     let mut stmt = conn
         .prepare("SELECT client_msg_id, seq FROM client_msgs ORDER BY seq")
         .unwrap();
@@ -365,6 +365,24 @@ const FORMAT_2_ID: &str = "c_01M8VNPEG8WPFTX3Y148S6WAXF";
 const FORMAT_3: &str = "tests/fixtures/store-format-3/linger.db";
 const FORMAT_3_ID: &str = "c_01M8XD857CXE45WD8M9SQ5229Z";
 
+/// The same, written by the release before the journal's binary index
+/// (store format 4, commit d7d48e8), by its own binary and CLI.
+const FORMAT_4: &str = "tests/fixtures/store-format-4/linger.db";
+const FORMAT_4_ID: &str = "c_01M971N7APRJV3SCV752VMA0Y6";
+
+/// A store of format 4 as a crash left it, by that release's binary and
+/// CLI: two conversations of alice's, "crashed with a journal A" (hello,
+/// then "/stream 40 20") and "... B" ("/stream 40 20" beside A's), each
+/// turn finished, and the server killed (SIGKILL) a third of a second
+/// later, before its fold: all their events (A's 51, B's 46) are in the
+/// journal, with its JSON index. (The WAL was then checkpointed into the
+/// file, which changes no row.)
+const FORMAT_4_CRASHED: &str = "tests/fixtures/store-format-4-crashed/linger.db";
+const FORMAT_4_CRASHED_IDS: [(&str, u64); 2] = [
+    ("c_01M971NE53QSH498PN2PCH9CT8", 51),
+    ("c_01M971NE59M8VWQFFBPVBM787C", 46),
+];
+
 #[tokio::test]
 async fn a_store_of_format_1_is_migrated_to_event_runs_and_keeps_its_history() {
     migrated_store_keeps_its_history(FORMAT_1, FORMAT_1_ID, "written by format 1").await;
@@ -378,6 +396,60 @@ async fn a_store_of_format_2_is_migrated_to_the_journal_and_keeps_its_history() 
 #[tokio::test]
 async fn a_store_of_format_3_is_migrated_to_a_journal_row_per_commit_and_keeps_its_history() {
     migrated_store_keeps_its_history(FORMAT_3, FORMAT_3_ID, "written by format 3").await;
+}
+
+#[tokio::test]
+async fn a_store_of_format_4_is_migrated_to_a_binary_journal_index_and_keeps_its_history() {
+    migrated_store_keeps_its_history(FORMAT_4, FORMAT_4_ID, "written by format 4").await;
+}
+
+#[tokio::test]
+async fn a_journal_left_by_a_crash_of_format_4_is_carried_over_and_reads_whole() {
+    let store = tempfile::tempdir().unwrap();
+    let db = store.path().join("linger.db");
+    std::fs::copy(FORMAT_4_CRASHED, &db).unwrap();
+    let journal_rows = |db: &std::path::Path| -> i64 {
+        rusqlite::Connection::open(db)
+            .unwrap()
+            .query_row("SELECT count(*) FROM event_journal", [], |r| r.get(0))
+            .unwrap()
+    };
+    assert!(
+        journal_rows(&db) > 40,
+        "the fixture holds its events in the journal"
+    );
+    let path = store.path().to_path_buf();
+    let server = TestServer::start_with(move |c| c.store.path = path).await;
+
+    for (id, head) in FORMAT_4_CRASHED_IDS {
+        let (status, summary) = server
+            .get(&format!("/v1/conversations/{id}"), Some("alice"))
+            .await;
+        assert_eq!(status, 200, "{summary}");
+        assert!(summary["head_seq"].as_u64() >= Some(head), "{summary}");
+        let mut client = server.connect("alice").await;
+        let attached = client.attach(id, 0).await;
+        assert_eq!(attached["replay_from"], 1, "{attached}");
+        let events = client.events(id, head as usize).await;
+        assert_contiguous(&events, 1);
+        let last = &events[head as usize - 1];
+        assert!(is_event(last, "turn_finished"), "{last}");
+        let streamed: String = events
+            .iter()
+            .filter(|e| is_event(e, "text_delta"))
+            .filter_map(|e| e["data"]["text"].as_str())
+            .collect();
+        assert!(
+            streamed.contains("tok1 ") && streamed.contains("tok40 "),
+            "{streamed}"
+        );
+    }
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let version: i64 = conn
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, 5);
+    server.shutdown().await;
 }
 
 /// A copy of `fixture` (conversation `id`, head 317, as described above)
@@ -423,7 +495,7 @@ async fn migrated_store_keeps_its_history(fixture: &str, id: &str, title: &str) 
     let version: i64 = conn
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 4);
+    assert_eq!(version, 5);
     server.shutdown().await;
 }
 

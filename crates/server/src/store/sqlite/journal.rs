@@ -387,7 +387,7 @@ impl Fold {
             }
             last = row.get(0)?;
             let events = row.get_ref(2)?.as_blob()?;
-            let entries = journal_entries(last, row.get_ref(1)?.as_str()?)?;
+            let entries = journal_entries(last, row.get_ref(1)?.as_blob()?)?;
             read += entries.len();
             for entry in entries {
                 let id = &*entry.0;
@@ -525,12 +525,13 @@ fn for_each_commit_holding(
     id: &str,
     mut each: impl FnMut(i64, &[JournalEntry<'_>], &rusqlite::Row<'_>) -> Result<(), StoreError>,
 ) -> Result<(), StoreError> {
-    let needle = journal_needle(id);
+    let needle = journal_needle(id)?;
+    let needle = memchr::memmem::Finder::new(&needle);
     let mut stmt = conn.prepare_cached("SELECT id, runs, events FROM event_journal ORDER BY id")?;
     let mut rows = stmt.query([])?;
     while let Some(row) = rows.next()? {
-        let runs = row.get_ref(1)?.as_str()?;
-        if !runs.contains(needle.as_str()) {
+        let runs = row.get_ref(1)?.as_blob()?;
+        if needle.find(runs).is_none() {
             continue;
         }
         let row_id: i64 = row.get(0)?;
@@ -550,7 +551,7 @@ pub(super) fn heads(conn: &Connection) -> Result<HashMap<String, (u64, String)>,
     let mut rows = stmt.query([])?;
     let mut heads: HashMap<String, (u64, String)> = HashMap::new();
     while let Some(row) = rows.next()? {
-        for entry in journal_entries(row.get(0)?, row.get_ref(1)?.as_str()?)? {
+        for entry in journal_entries(row.get(0)?, row.get_ref(1)?.as_blob()?)? {
             // Commit order is each conversation's seq order.
             let head = (entry.2, entry.5.into_owned());
             match heads.get_mut(&*entry.0) {
@@ -574,7 +575,7 @@ pub(super) fn delete_runs_of(conn: &Connection, id: &str) -> Result<(), StoreErr
         let events = row.get_ref(2)?.as_blob()?;
         let mut kept = JournalRow::default();
         for entry in entries.iter().filter(|entry| *entry.0 != *id) {
-            kept.add_entry(entry, entry.events(events)?);
+            kept.add_entry(entry, entry.events(events)?)?;
         }
         rewritten.push((row_id, kept));
         Ok(())

@@ -50,19 +50,21 @@ CREATE TABLE event_runs (
 CREATE UNIQUE INDEX event_runs_by_seq ON event_runs (conversation_id, last_seq);
 ";
 
-/// The journal (format 4, see `journal.rs`), created by a new store and by
-/// the migration to format 4 alike.
+/// The journal (format 5, see `journal.rs`), created by a new store and by
+/// the migration to format 5 alike.
 pub(super) const EVENT_JOURNAL: &str = "
--- One row per commit that journaled runs, in commit order. `runs` is a JSON
--- array with one entry per run: [conversation_id, first_seq, last_seq, n,
--- min_ts, max_ts, start, len], where the run's JSON array (as in
--- event_runs.events) is the `len` bytes of `events` from byte `start`. No
--- index: a commit writes the table's last page, whichever conversations it
--- holds, and a reader scans the table whole (it holds about a second of
--- events; the writer folds it into event_runs).
+-- One row per commit that journaled runs, in commit order. `runs` is the
+-- index: one entry per run, one after another, each a postcard-encoded
+-- tuple (conversation_id, first_seq, last_seq, n, min_ts, max_ts, start,
+-- len): strings as a varint length and their UTF-8 bytes, integers as
+-- varints. The run's JSON array (as in event_runs.events) is the `len`
+-- bytes of `events` from byte `start`. No index: a commit writes the
+-- table's last page, whichever conversations it holds, and a reader scans
+-- the table whole (it holds about a second of events; the writer folds it
+-- into event_runs).
 CREATE TABLE event_journal (
     id     INTEGER PRIMARY KEY,
-    runs   TEXT NOT NULL,
+    runs   BLOB NOT NULL,
     events BLOB NOT NULL
 );
 ";

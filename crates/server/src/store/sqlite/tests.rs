@@ -530,7 +530,8 @@ fn put_commit(conn: &Connection, runs: &[(&str, std::ops::RangeInclusive<u64>)])
         .collect();
     let mut row = runs::JournalRow::default();
     for ((id, _), events) in runs.iter().zip(&events) {
-        row.add(id, events.iter().map(|ev| runs::RunEvent::from(&**ev)));
+        row.add(id, events.iter().map(|ev| runs::RunEvent::from(&**ev)))
+            .unwrap();
     }
     row.insert(conn).unwrap();
 }
@@ -584,7 +585,7 @@ fn journal_runs(conn: &Connection) -> Vec<(String, u64, u64, usize)> {
     let mut rows = stmt.query([]).unwrap();
     let mut found = Vec::new();
     while let Some(row) = rows.next().unwrap() {
-        let runs = row.get_ref(1).unwrap().as_str().unwrap();
+        let runs = row.get_ref(1).unwrap().as_blob().unwrap();
         for entry in runs::journal_entries(row.get(0).unwrap(), runs).unwrap() {
             found.push((entry.0.into_owned(), entry.1, entry.2, entry.3));
         }
@@ -643,6 +644,78 @@ async fn a_store_of_format_3_is_migrated_with_what_its_journal_held() {
     let read = store.events("c_1", 0, 10).await.unwrap();
     assert_eq!(seqs(&read), [1, 2, 3, 4, 5, 6, 7]);
     assert_eq!(read[5].frame, events[2].frame, "read back as written");
+    assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 7);
+}
+
+#[tokio::test]
+async fn a_store_of_format_4_is_migrated_with_what_its_journal_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("linger.db");
+    // Format 4: the journal's index is JSON text, as that release wrote
+    // it. c_1 has runs in both tables; a commit holds runs of c_1 and c_2.
+    let old = Connection::open(&path).unwrap();
+    old.execute_batch(SCHEMA).unwrap();
+    old.execute_batch(EVENT_RUNS).unwrap();
+    old.execute_batch(migrate::EVENT_JOURNAL_4).unwrap();
+    old.execute_batch("PRAGMA user_version = 4;").unwrap();
+    put_conversation(&old, "c_1");
+    put_conversation(&old, "c_2");
+    put_run(&old, runs::RunTable::Runs, "c_1", 1, 3);
+    let run_of = |id: &str, seqs: std::ops::RangeInclusive<u64>| {
+        let events: Vec<_> = seqs
+            .map(|seq| record(id, seq, ts(seq), &delta_data(seq)))
+            .collect();
+        runs::encode(events.iter().map(|ev| runs::RunEvent::from(&**ev))).unwrap()
+    };
+    let commits = [
+        vec![("c_1", run_of("c_1", 4..=5)), ("c_2", run_of("c_2", 1..=2))],
+        vec![("c_1", run_of("c_1", 6..=7))],
+    ];
+    for commit in &commits {
+        let mut index = Vec::new();
+        let mut events = String::new();
+        for (id, run) in commit {
+            index.push(serde_json::json!([
+                id,
+                run.first_seq,
+                run.last_seq,
+                run.n,
+                run.min_ts,
+                run.max_ts,
+                events.len(),
+                run.json.len()
+            ]));
+            events.push_str(&run.json);
+        }
+        old.execute(
+            "INSERT INTO event_journal (runs, events) VALUES (?1, ?2)",
+            params![
+                serde_json::Value::from(index).to_string(),
+                events.as_bytes()
+            ],
+        )
+        .unwrap();
+    }
+    drop(old);
+
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let conn = Connection::open(store.path()).unwrap();
+    assert_eq!(migrate::version(&conn), migrate::VERSION);
+    // Opening carried the journal over and folded it.
+    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    assert_eq!(
+        stored_runs(&conn, "event_runs"),
+        [
+            ("c_1".to_owned(), 1, 3),
+            ("c_1".to_owned(), 4, 7),
+            ("c_2".to_owned(), 1, 2)
+        ]
+    );
+    let c_1 = store.events("c_1", 0, 10).await.unwrap();
+    assert_eq!(seqs(&c_1), [1, 2, 3, 4, 5, 6, 7]);
+    let want = record("c_1", 6, ts(6), &delta_data(6));
+    assert_eq!(c_1[5].frame, want.frame, "read back as written");
+    assert_eq!(seqs(&store.events("c_2", 0, 10).await.unwrap()), [1, 2]);
     assert_eq!(store.get("c_1").await.unwrap().unwrap().head_seq, 7);
 }
 
@@ -1367,6 +1440,30 @@ fn a_run_reads_back_exactly_what_was_written() {
         .map(|ev| (ev.seq(), ev.ts(), ev.kind(), ev.data()))
         .collect();
     assert_eq!(read, events);
+}
+
+#[test]
+fn a_journal_index_read_back_whole_or_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let conn = open_writer(&dir.path().join("linger.db")).unwrap();
+    put_commit(&conn, &[("c_1", 1..=2), ("c_\u{e9}\"", 1..=3)]);
+    let index: Vec<u8> = conn
+        .query_row("SELECT runs FROM event_journal", [], |r| r.get(0))
+        .unwrap();
+    let entries = runs::journal_entries(1, &index).unwrap();
+    let read: Vec<_> = entries
+        .iter()
+        .map(|e| (&*e.0, e.1, e.2, e.3, e.6))
+        .collect();
+    assert_eq!(read[0], ("c_1", 1, 2, 2, 0));
+    assert_eq!(read[1].0, "c_\u{e9}\"");
+    assert_eq!((read[1].1, read[1].2, read[1].3), (1, 3, 3));
+    // The second run's events follow the first's.
+    assert_eq!(read[1].4, entries[0].7);
+    // A row whose index was cut short, or is not one, is an error.
+    for bad in [&index[..index.len() - 1], &[0xff_u8; 4][..]] {
+        assert!(runs::journal_entries(1, bad).is_err());
+    }
 }
 
 #[test]

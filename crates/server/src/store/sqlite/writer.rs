@@ -667,7 +667,7 @@ impl<'g, 'k> Touched<'g, 'k> {
             for chunk in row.events.chunks(RUN_MAX_EVENTS) {
                 let events = chunk.iter().map(|ev| RunEvent::from(*ev));
                 match table {
-                    RunTable::Journal => journal_row.add(id, events),
+                    RunTable::Journal => journal_row.add(id, events)?,
                     RunTable::Runs => insert_run(conn, table, id, events)?,
                 }
             }
