@@ -168,9 +168,9 @@ impl EventRecord {
         EventRecord::build(
             conversation_id,
             seq,
-            |frame| frame.extend_from_slice(ts.as_bytes()),
+            |frame| frame.push_str(ts),
             kind,
-            |frame| frame.extend_from_slice(data.as_bytes()),
+            |frame| frame.push_str(data),
         )
     }
 
@@ -179,56 +179,50 @@ impl EventRecord {
     fn build(
         conversation_id: &str,
         seq: u64,
-        write_ts: impl FnOnce(&mut Vec<u8>),
+        write_ts: impl FnOnce(&mut String),
         kind: Kind,
-        write_data: impl FnOnce(&mut Vec<u8>),
+        write_data: impl FnOnce(&mut String),
     ) -> EventRecord {
         // The frame is written into this thread's scratch buffer, then
         // copied once into a buffer of its exact size: the one every holder
         // of the frame keeps, with no spare capacity and no reallocation
         // on the way (growing and shrinking cost more than the copy).
+        // Written as a String from strs and serde_json's output, so never
+        // checked as UTF-8 again (that check was about 140 instructions an
+        // event).
         thread_local! {
-            static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+            static SCRATCH: RefCell<String> = const { RefCell::new(String::new()) };
         }
         let (frame, ts_range, data_start) = SCRATCH.with_borrow_mut(|scratch| {
             scratch.clear();
-            scratch.extend_from_slice(br#"{"type":"event","conversation_id":"#);
-            write_json_str(scratch, conversation_id);
-            scratch.extend_from_slice(br#","seq":"#);
-            scratch.extend_from_slice(itoa::Buffer::new().format(seq).as_bytes());
-            scratch.extend_from_slice(br#","ts":""#);
+            scratch.push_str(r#"{"type":"event","conversation_id":"#);
+            push_json_str(scratch, conversation_id);
+            scratch.push_str(r#","seq":"#);
+            scratch.push_str(itoa::Buffer::new().format(seq));
+            scratch.push_str(r#","ts":""#);
             let ts_start = scratch.len();
             write_ts(scratch);
             let ts_range = ts_start..scratch.len();
-            scratch.extend_from_slice(br#"","kind":""#);
-            scratch.extend_from_slice(kind.as_bytes());
-            scratch.extend_from_slice(br#"","data":"#);
+            scratch.push_str(r#"","kind":""#);
+            scratch.push_str(&kind);
+            scratch.push_str(r#"","data":"#);
             let data_start = scratch.len();
             write_data(scratch);
-            scratch.push(b'}');
-            let frame = scratch.to_vec();
+            scratch.push('}');
+            let frame = scratch.as_str().to_owned();
             // One very large event (a tool's output) does not keep its
             // room in every thread for good.
             if scratch.capacity() > MAX_KEPT_SCRATCH {
-                *scratch = Vec::new();
+                *scratch = String::new();
             }
             (frame, ts_range, data_start)
         });
-        match String::from_utf8(frame) {
-            Ok(frame) => EventRecord {
-                seq,
-                kind,
-                frame: Utf8Bytes::from(frame),
-                ts: ts_range,
-                data_start,
-            },
-            // Every part is a string or JSON written by serde_json, so UTF-8;
-            // were it not, the event's data is an empty object, not a panic.
-            Err(e) => {
-                let ts = String::from_utf8_lossy(e.as_bytes().get(ts_range).unwrap_or_default())
-                    .into_owned();
-                EventRecord::from_parts(conversation_id, seq, &ts, kind, "{}")
-            }
+        EventRecord {
+            seq,
+            kind,
+            frame: Utf8Bytes::from(frame),
+            ts: ts_range,
+            data_start,
         }
     }
 
@@ -258,22 +252,21 @@ impl EventRecord {
 /// turn's events, is written field by field: through serde each of its
 /// keys was escaped like its values, behind the serializer's layers, about
 /// a third of building the event.
-fn write_data(out: &mut Vec<u8>, data: &EventData) {
+fn write_data(out: &mut String, data: &EventData) {
     match data {
         EventData::TextDelta { turn_id, text } => {
-            out.extend_from_slice(br#"{"turn_id":"#);
-            write_json_str(out, turn_id);
-            out.extend_from_slice(br#","text":"#);
-            write_json_str(out, text);
-            out.push(b'}');
+            out.push_str(r#"{"turn_id":"#);
+            push_json_str(out, turn_id);
+            out.push_str(r#","text":"#);
+            push_json_str(out, text);
+            out.push('}');
         }
         // Serializing EventData cannot fail: it holds strings, numbers and
         // already-parsed JSON values only.
-        _ => {
-            if serde_json::to_writer(&mut *out, data).is_err() {
-                out.extend_from_slice(b"{}");
-            }
-        }
+        _ => match serde_json::to_string(data) {
+            Ok(json) => out.push_str(&json),
+            Err(_) => out.push_str("{}"),
+        },
     }
 }
 
@@ -289,16 +282,16 @@ pub(crate) fn needs_json_escape(s: &str) -> bool {
 }
 
 /// Writes `s` as a JSON string, as serde_json does: one with nothing to
-/// escape is copied as it is.
-fn write_json_str(out: &mut Vec<u8>, s: &str) {
+/// escape is copied as it is, without the allocation a serializer makes.
+pub(crate) fn push_json_str(out: &mut String, s: &str) {
     if !needs_json_escape(s) {
         out.reserve(s.len() + 2);
-        out.push(b'"');
-        out.extend_from_slice(s.as_bytes());
-        out.push(b'"');
-    } else {
-        // Writing into a Vec cannot fail, and a str always serializes.
-        let _ = serde_json::to_writer(&mut *out, s);
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else if let Ok(quoted) = serde_json::to_string(s) {
+        // A str always serializes.
+        out.push_str(&quoted);
     }
 }
 
@@ -347,7 +340,7 @@ const MAX_KEPT_SCRATCH: usize = 64 * 1024;
 /// Writes `time` as events and REST carry it, RFC 3339 UTC with
 /// milliseconds. Events come by the thousand each second: the date and time
 /// of day are formatted once a second per thread, the milliseconds each time.
-fn write_ts(out: &mut Vec<u8>, time: SystemTime) {
+fn write_ts(out: &mut String, time: SystemTime) {
     thread_local! {
         /// The second last formatted, and its text without the `Z`.
         static SECOND: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
@@ -362,24 +355,24 @@ fn write_ts(out: &mut Vec<u8>, time: SystemTime) {
             text.pop();
             *cached = secs;
         }
-        out.extend_from_slice(text.as_bytes());
+        out.push_str(text);
     });
-    let digit = |d: u32| b'0' + (d % 10) as u8;
-    out.extend_from_slice(&[
-        b'.',
+    let digit = |d: u32| char::from(b'0' + (d % 10) as u8);
+    out.extend([
+        '.',
         digit(millis / 100),
         digit(millis / 10),
         digit(millis),
-        b'Z',
+        'Z',
     ]);
 }
 
 /// The current time as events and REST carry it, RFC 3339 UTC with
 /// milliseconds.
 pub fn now_rfc3339() -> String {
-    let mut text = Vec::with_capacity(24);
+    let mut text = String::with_capacity(24);
     write_ts(&mut text, SystemTime::now());
-    String::from_utf8(text).unwrap_or_default()
+    text
 }
 
 #[cfg(test)]
@@ -463,9 +456,9 @@ mod tests {
                 assert_eq!(rec.data(), serde_json::to_string(&data).unwrap());
                 let frame: Value = serde_json::from_str(rec.frame.as_str()).unwrap();
                 assert_eq!(frame["conversation_id"], id);
-                let mut quoted = Vec::new();
-                write_json_str(&mut quoted, id);
-                assert_eq!(quoted, serde_json::to_vec(id).unwrap());
+                let mut quoted = String::new();
+                push_json_str(&mut quoted, id);
+                assert_eq!(quoted, serde_json::to_string(id).unwrap());
             }
         }
     }
@@ -488,12 +481,9 @@ mod tests {
             123_456,
         ] {
             let time = base + Duration::from_millis(offset_ms);
-            let mut ours = Vec::new();
+            let mut ours = String::new();
             write_ts(&mut ours, time);
-            assert_eq!(
-                String::from_utf8(ours).unwrap(),
-                humantime::format_rfc3339_millis(time).to_string()
-            );
+            assert_eq!(ours, humantime::format_rfc3339_millis(time).to_string());
         }
         assert_eq!(now_rfc3339().len(), "2026-12-05T07:50:45.123Z".len());
     }

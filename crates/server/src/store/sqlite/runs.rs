@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use super::*;
+use crate::event::push_json_str;
 
 /// Most events in one run: a long burst becomes several runs, so that a
 /// read from a seq decodes at most this many events it does not need.
@@ -300,19 +301,6 @@ pub(super) fn journal_needle(id: &str) -> Result<Vec<u8>, StoreError> {
             "conversation {id}: its id could not be encoded: {e}"
         ))
     })
-}
-
-/// Writes `s` as a JSON string. A ts and a kind never need escaping, so
-/// the common case is copied without the allocation a serializer makes.
-fn push_json_str(out: &mut String, s: &str) {
-    if !crate::event::needs_json_escape(s) {
-        out.push('"');
-        out.push_str(s);
-        out.push('"');
-    } else if let Ok(quoted) = serde_json::to_string(s) {
-        // A str serializes into a String without failing.
-        out.push_str(&quoted);
-    }
 }
 
 /// Writes `n` in decimal. Every event and every run entry writes a few:
