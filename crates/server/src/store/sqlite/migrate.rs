@@ -17,7 +17,8 @@
 //! - 4: a commit's runs are one row of the journal (see `JournalRow`),
 //!   not one row each; the row's index of its runs is JSON text.
 //! - 5: the journal row's index is binary (postcard), which the fold
-//!   decodes in a tenth of the time (see `runs::journal_entries`).
+//!   decodes in about a third of the instructions (see
+//!   `runs::journal_entries`).
 //!
 //! A new store is created at the latest version directly.
 

@@ -273,8 +273,10 @@ impl JournalEntry<'_> {
 /// Decodes a journal row's `runs` column.
 ///
 /// Why binary: the fold reads every row, and paced traffic journals about
-/// one run per event; parsing the entry as JSON took about 1,900
-/// instructions, a tenth of what the server spends per event there.
+/// one run per event; parsing an entry as JSON took about 2,400
+/// instructions, 8 % of what the server spends per event there, and
+/// decoding it here about 800 (half of them the UTF-8 checks of its
+/// strings).
 pub(super) fn journal_entries(
     row_id: i64,
     mut runs: &[u8],
