@@ -35,8 +35,8 @@
 use std::time::Instant;
 
 use super::runs::{
-    insert_encoded, journal_entries, journal_needle, EncodedRun, JournalRow, RunTable,
-    RUN_MAX_EVENTS,
+    insert_encoded, journal_entries, journal_needle, journal_text, EncodedRun, JournalRow,
+    RunTable, RUN_MAX_EVENTS,
 };
 use super::*;
 
@@ -386,7 +386,7 @@ impl Fold {
                 break;
             }
             last = row.get(0)?;
-            let events = row.get_ref(2)?.as_blob()?;
+            let events = journal_text(last, row.get_ref(2)?.as_blob()?)?;
             let entries = journal_entries(last, row.get_ref(1)?.as_blob()?)?;
             read += entries.len();
             for entry in entries {
@@ -413,7 +413,7 @@ impl Fold {
                     n: entry.3,
                     min_ts: &entry.4,
                     max_ts: &entry.5,
-                    json: entry.events(events)?,
+                    json: entry.events_in(events)?,
                 };
                 if piece.last_seq <= folded_upto {
                     continue;

@@ -256,18 +256,42 @@ pub(super) struct JournalEntry<'a>(
 impl JournalEntry<'_> {
     /// The run's JSON array: its slice of the row's `events`.
     pub(super) fn events<'e>(&self, events: &'e [u8]) -> Result<&'e str, StoreError> {
-        let (start, len) = (self.6, self.7);
-        start
-            .checked_add(len)
-            .and_then(|end| events.get(start..end))
+        self.range()
+            .and_then(|range| events.get(range))
             .and_then(|bytes| std::str::from_utf8(bytes).ok())
-            .ok_or_else(|| {
-                StoreError::Backend(format!(
-                    "conversation {}: a journal run (seq {} to {}) is not readable",
-                    self.0, self.1, self.2
-                ))
-            })
+            .ok_or_else(|| self.unreadable())
     }
+
+    /// The same, from the row's `events` already checked as text (see
+    /// [`journal_text`]): what a reader of every run of a row takes, as
+    /// checking a row's text at once costs less than checking each run's
+    /// (the fold's instructions fell by about 115 per event, callgrind).
+    pub(super) fn events_in<'e>(&self, events: &'e str) -> Result<&'e str, StoreError> {
+        self.range()
+            .and_then(|range| events.get(range))
+            .ok_or_else(|| self.unreadable())
+    }
+
+    fn range(&self) -> Option<std::ops::Range<usize>> {
+        let (start, len) = (self.6, self.7);
+        Some(start..start.checked_add(len)?)
+    }
+
+    fn unreadable(&self) -> StoreError {
+        StoreError::Backend(format!(
+            "conversation {}: a journal run (seq {} to {}) is not readable",
+            self.0, self.1, self.2
+        ))
+    }
+}
+
+/// A journal row's `events` as text, checked once for all its runs.
+pub(super) fn journal_text(row_id: i64, events: &[u8]) -> Result<&str, StoreError> {
+    std::str::from_utf8(events).map_err(|e| {
+        StoreError::Backend(format!(
+            "journal row {row_id}: its events are not readable: {e}"
+        ))
+    })
 }
 
 /// Decodes a journal row's `runs` column.
