@@ -186,9 +186,9 @@ impl EventRecord {
         // The frame is written into this thread's scratch buffer, then
         // copied once into a buffer of its exact size: the one every holder
         // of the frame keeps, with no spare capacity and no reallocation
-        // on the way (growing and shrinking cost more than the copy).
-        // Written as a String from strs and serde_json's output, so never
-        // checked as UTF-8 again (that check was about 140 instructions an
+        // on the way (growing and shrinking cost more than the copy). The
+        // buffer is a String, written from strs and serde_json's output, so
+        // the frame is never checked as UTF-8 (about 140 instructions an
         // event).
         thread_local! {
             static SCRATCH: RefCell<String> = const { RefCell::new(String::new()) };

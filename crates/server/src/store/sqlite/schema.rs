@@ -58,9 +58,9 @@ pub(super) const EVENT_JOURNAL: &str = "
 -- tuple (conversation_id, first_seq, last_seq, n, min_ts, max_ts, start,
 -- len): strings as a varint length and their UTF-8 bytes, integers as
 -- varints. The run's JSON array (as in event_runs.events) is the `len`
--- bytes of `events` from byte `start`. No index: a commit writes the
--- table's last page, whichever conversations it holds, and a reader scans
--- the table whole (it holds about a second of events; the writer folds it
+-- bytes of `events` from byte `start`. No index on the table: a commit
+-- writes its last page, whichever conversations it holds, and a reader
+-- scans it whole (it holds about a second of events; the writer folds it
 -- into event_runs).
 CREATE TABLE event_journal (
     id     INTEGER PRIMARY KEY,
