@@ -279,6 +279,19 @@ async fn message_ids_older_than_the_window_are_forgotten_across_stops() {
     );
 }
 
+/// The store format this release writes (`PRAGMA user_version`), which
+/// every store of an earlier release is upgraded to.
+const STORE_FORMAT: i64 = 5;
+
+/// The format of the store at `db`, read beside the running server (WAL:
+/// what is committed is visible).
+fn store_format(db: &std::path::Path) -> i64 {
+    rusqlite::Connection::open(db)
+        .unwrap()
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap()
+}
+
 /// A store written by linger 0.1.0 (commit e3352e6, the release before the
 /// store's format version and the `client_msg_id` window), by its own
 /// binary: alice's conversation [`FIXTURE_ID`], five messages with ids
@@ -332,11 +345,8 @@ async fn a_store_written_by_the_previous_release_is_migrated_and_keeps_its_histo
     assert_eq!(m1["duplicate"], false, "{m1}");
     client.events_until_turn_finished(FIXTURE_ID).await;
     // Read beside the running server (WAL: committed is visible).
+    assert_eq!(store_format(&db), STORE_FORMAT);
     let conn = rusqlite::Connection::open(&db).unwrap();
-    let version: i64 = conn
-        .pragma_query_value(None, "user_version", |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 5);
     let mut stmt = conn
         .prepare("SELECT client_msg_id, seq FROM client_msgs ORDER BY seq")
         .unwrap();
@@ -444,11 +454,7 @@ async fn a_journal_left_by_a_crash_of_format_4_is_carried_over_and_reads_whole()
             "{streamed}"
         );
     }
-    let conn = rusqlite::Connection::open(&db).unwrap();
-    let version: i64 = conn
-        .pragma_query_value(None, "user_version", |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 5);
+    assert_eq!(store_format(&db), STORE_FORMAT);
     server.shutdown().await;
 }
 
@@ -491,11 +497,7 @@ async fn migrated_store_keeps_its_history(fixture: &str, id: &str, title: &str) 
     reader.attach(id, 310).await;
     let tail = reader.events(id, turn.len() + 8).await;
     assert_contiguous(&tail, 311);
-    let conn = rusqlite::Connection::open(&db).unwrap();
-    let version: i64 = conn
-        .pragma_query_value(None, "user_version", |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 5);
+    assert_eq!(store_format(&db), STORE_FORMAT);
     server.shutdown().await;
 }
 

@@ -593,6 +593,17 @@ fn journal_runs(conn: &Connection) -> Vec<(String, u64, u64, usize)> {
     found
 }
 
+/// Opens the store an earlier release left in `dir`, and a connection of
+/// its own beside it; asserts that it is at this release's format and that
+/// its journal was folded at open.
+fn open_migrated_and_folded(dir: &std::path::Path) -> (SqliteStore, Connection) {
+    let store = SqliteStore::open(dir).unwrap();
+    let conn = Connection::open(store.path()).unwrap();
+    assert_eq!(migrate::version(&conn), migrate::VERSION);
+    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    (store, conn)
+}
+
 #[tokio::test]
 async fn a_store_of_format_3_is_migrated_with_what_its_journal_held() {
     let dir = tempfile::tempdir().unwrap();
@@ -632,11 +643,8 @@ async fn a_store_of_format_3_is_migrated_with_what_its_journal_held() {
     }
     drop(old);
 
-    let store = SqliteStore::open(dir.path()).unwrap();
-    let conn = Connection::open(store.path()).unwrap();
-    assert_eq!(migrate::version(&conn), migrate::VERSION);
     // Opening folded what the journal held: its two rows, as one run.
-    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    let (store, conn) = open_migrated_and_folded(dir.path());
     assert_eq!(
         stored_runs(&conn, "event_runs"),
         [("c_1".to_owned(), 1, 3), ("c_1".to_owned(), 4, 7)]
@@ -698,11 +706,8 @@ async fn a_store_of_format_4_is_migrated_with_what_its_journal_held() {
     }
     drop(old);
 
-    let store = SqliteStore::open(dir.path()).unwrap();
-    let conn = Connection::open(store.path()).unwrap();
-    assert_eq!(migrate::version(&conn), migrate::VERSION);
     // Opening carried the journal over and folded it.
-    assert_eq!(stored_runs(&conn, "event_journal"), []);
+    let (store, conn) = open_migrated_and_folded(dir.path());
     assert_eq!(
         stored_runs(&conn, "event_runs"),
         [
