@@ -77,7 +77,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fjall_model::FjallModel;
-use linger::event::{now_rfc3339, EventData, EventRecord, StartReason};
+use linger::event::{EventData, EventRecord, StartReason};
 use linger::protocol::Status;
 use linger::store::sqlite::SqliteStore;
 use linger::store::{AppendBatch, CommitCallback, ConversationState, NewConversation, Store};
@@ -400,7 +400,7 @@ fn batch(id: &Arc<str>, ev: Arc<EventRecord>) -> AppendBatch {
         state: ConversationState {
             status: Status::Running,
             head_seq: ev.seq,
-            last_activity_at: ev.ts().to_owned(),
+            last_activity_at: None,
             current_turn_id: Some("t_01JBENCH0000000001".into()),
             last_turn_message_seq: 2,
         },
@@ -445,7 +445,7 @@ async fn open_with(kind: Kind, conversations: usize) -> (tempfile::TempDir, Engi
                 state: ConversationState {
                     status: Status::Idle,
                     head_seq: 2,
-                    last_activity_at: now_rfc3339(),
+                    last_activity_at: None,
                     current_turn_id: None,
                     last_turn_message_seq: 0,
                 },
@@ -453,7 +453,7 @@ async fn open_with(kind: Kind, conversations: usize) -> (tempfile::TempDir, Engi
                 client_msg_ids: Vec::new(),
                 forget_client_msg_ids_before: 0,
             },
-            Box::new(|r| r.expect("create")),
+            Box::new(|r, _| r.expect("create")),
         );
     }
     engine.flush().await;
@@ -509,7 +509,7 @@ async fn burst(kind: Kind, per_conversation: u64) -> Row {
         let all_done = all_done.clone();
         engine.append(
             b,
-            Box::new(move |r| {
+            Box::new(move |r, _| {
                 r.expect("append");
                 if done.fetch_add(1, Ordering::Relaxed) + 1 == total {
                     all_done.notify_one();
@@ -543,7 +543,7 @@ async fn saturated(kind: Kind, per_conversation: u64) -> Row {
         let done = done_tx.clone();
         engine.append(
             batch(&ids[i], delta(&ids[i], heads[i])),
-            Box::new(move |r| {
+            Box::new(move |r, _| {
                 r.expect("append");
                 let _ = done.send(i);
             }),
@@ -611,7 +611,7 @@ async fn paced(
             let t0 = Instant::now();
             engine.append(
                 b,
-                Box::new(move |r| {
+                Box::new(move |r, _| {
                     let elapsed = t0.elapsed();
                     r.expect("append");
                     latencies.lock().expect("latencies").push(elapsed);

@@ -457,7 +457,7 @@ fn batch(
         state: ConversationState {
             status,
             head_seq: from + n - 1,
-            last_activity_at: "2026-01-01T00:00:01.000Z".into(),
+            last_activity_at: Some("2026-01-01T00:00:01.000Z".into()),
             current_turn_id: None,
             last_turn_message_seq: 0,
         },
@@ -475,7 +475,7 @@ async fn append(
     let (tx, rx) = tokio::sync::oneshot::channel();
     store.append(
         b,
-        Box::new(move |r| {
+        Box::new(move |r, _| {
             let _ = tx.send(r);
         }),
     );
@@ -589,7 +589,7 @@ async fn queued_appends_are_merged_and_the_summary_catches_up() {
         let (tx, rx) = tokio::sync::oneshot::channel();
         one.append(
             batch("c_m", seq, 1, false, Status::Idle),
-            Box::new(move |r| {
+            Box::new(move |r, _| {
                 let _ = tx.send(r);
             }),
         );

@@ -340,7 +340,7 @@ impl Writer {
         for (cmd, result) in group.drain(..).zip(results) {
             let result = committed.clone().and(result);
             match cmd {
-                Command::Append { done, .. } => done(result),
+                Command::Append { done, batch } => done(result, &batch.events),
                 Command::Flush(reply) => {
                     result.expect("fjall commit");
                     let _ = reply.send(());

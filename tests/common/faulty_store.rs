@@ -70,7 +70,7 @@ impl Store for FaultyStore {
         let inner = self.inner.clone();
         tokio::spawn(async move {
             let _ = inner.flush().await;
-            done(Err(StoreError::Unavailable(INJECTED.into())));
+            done(Err(StoreError::Unavailable(INJECTED.into())), &batch.events);
         });
     }
 

@@ -87,14 +87,14 @@ pub fn close(
             state: ConversationState {
                 status: Status::Stopped,
                 head_seq: seq,
-                last_activity_at: now_rfc3339(),
+                last_activity_at: Some(now_rfc3339()),
                 current_turn_id: None,
                 last_turn_message_seq: meta.last_turn_message_seq,
             },
             client_msg_ids: Vec::new(),
             forget_client_msg_ids_before: 0,
         },
-        Box::new(move |result| {
+        Box::new(move |result, _| {
             let _ = tx.send(result);
         }),
     );

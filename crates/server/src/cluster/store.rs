@@ -27,6 +27,7 @@ use tracing::warn;
 use super::log::{EventLog, Fence, Head};
 use super::meta::Summaries;
 use super::{Cluster, ClusterError};
+use crate::event::EventRecord;
 use crate::protocol::Status;
 use crate::store::{
     AppendBatch, CommitCallback, ConversationMeta, QueuedMessage, Snapshot, Store, StoreError,
@@ -166,15 +167,14 @@ async fn writer(
         let (batch, callbacks) = merge(first, rest);
         let result = match &fenced {
             Some(e) => Err(e.clone()),
-            None => commit(&log, &mut summary, &mut fence, batch).await,
+            None => commit(&log, &mut summary, &mut fence, &batch).await,
         };
         if let Err(e @ StoreError::Fenced { .. }) = &result {
             fenced = Some(e.clone());
         }
-        for done in callbacks {
-            done(result.clone());
-            pending.send_modify(|n| *n = n.saturating_sub(1));
-        }
+        answer(callbacks, &result, &batch.events, || {
+            pending.send_modify(|n| *n = n.saturating_sub(1))
+        });
     }
     if fenced.is_none() {
         summary.write().await;
@@ -187,13 +187,14 @@ fn batch_bytes(batch: &AppendBatch) -> usize {
 
 /// Appends queued one after the other, as one: their events in order, the
 /// last one's state, the first one's creation (only a conversation's first
-/// append creates it).
-fn merge(first: Job, rest: Vec<Job>) -> (AppendBatch, Vec<CommitCallback>) {
+/// append creates it). Each callback comes with how many of the events
+/// are its append's.
+fn merge(first: Job, rest: Vec<Job>) -> (AppendBatch, Vec<(CommitCallback, usize)>) {
     let (mut merged, done) = first;
     let mut callbacks = Vec::with_capacity(rest.len() + 1);
-    callbacks.push(done);
+    callbacks.push((done, merged.events.len()));
     for (batch, done) in rest {
-        callbacks.push(done);
+        callbacks.push((done, batch.events.len()));
         merged.events.extend(batch.events);
         merged.client_msg_ids.extend(batch.client_msg_ids);
         merged.forget_client_msg_ids_before = merged
@@ -207,6 +208,23 @@ fn merge(first: Job, rest: Vec<Job>) -> (AppendBatch, Vec<CommitCallback>) {
     (merged, callbacks)
 }
 
+/// Answers each merged append with the outcome and its own events (the
+/// merged events are theirs one after the other); `answered` after each.
+fn answer(
+    callbacks: Vec<(CommitCallback, usize)>,
+    result: &Result<(), StoreError>,
+    events: &[Arc<EventRecord>],
+    mut answered: impl FnMut(),
+) {
+    let mut rest = events;
+    for (done, count) in callbacks {
+        let (own, after) = rest.split_at(count.min(rest.len()));
+        rest = after;
+        done(result.clone(), own);
+        answered();
+    }
+}
+
 /// Commits the events (fenced), then brings the summary up to date. Once
 /// the log has the events they are committed, whatever the summary write
 /// does: the log is the truth, and a summary write that failed is retried.
@@ -214,9 +232,9 @@ async fn commit(
     log: &EventLog,
     summary: &mut SummaryWriter,
     fence: &mut Fence,
-    batch: AppendBatch,
+    batch: &AppendBatch,
 ) -> Result<(), StoreError> {
-    summary.start(&batch)?;
+    summary.start(batch)?;
     let before = fence.head_seq;
     if let Err(e) = log.append(fence, &batch.events).await {
         if fence.head_seq != before {
@@ -231,7 +249,7 @@ async fn commit(
         }
         return Err(e.into());
     }
-    summary.committed(&batch, fence.term);
+    summary.committed(batch, fence.term);
     if summary.urgent() {
         summary.write().await;
     }
@@ -317,7 +335,7 @@ impl SummaryWriter {
             title: create.title.clone(),
             status: batch.state.status,
             created_at: create.created_at.clone(),
-            last_activity_at: batch.state.last_activity_at.clone(),
+            last_activity_at: batch.last_activity_at().into_owned(),
             head_seq: 0,
             close_delay: create.close_delay,
             observers: Vec::new(),
@@ -333,8 +351,8 @@ impl SummaryWriter {
         self.term = term;
         m.status = batch.state.status;
         m.head_seq = batch.state.head_seq;
-        m.last_activity_at = batch.state.last_activity_at.clone();
-        m.current_turn_id = batch.state.current_turn_id.clone();
+        m.last_activity_at = batch.last_activity_at().into_owned();
+        m.current_turn_id = batch.state.current_turn_id.as_deref().map(String::from);
         m.last_turn_message_seq = batch.state.last_turn_message_seq;
         self.client_ids.extend(batch.client_msg_ids.iter().cloned());
         self.forget_before = self.forget_before.max(batch.forget_client_msg_ids_before);
@@ -410,9 +428,9 @@ fn field(data: &str, key: &str) -> Option<String> {
 impl Store for NatsStore {
     fn append(&self, batch: AppendBatch, done: CommitCallback) {
         let health = self.health.clone();
-        let done: CommitCallback = Box::new(move |result| {
+        let done: CommitCallback = Box::new(move |result, events| {
             health.record(result.as_ref().map(|_| ()));
-            done(result)
+            done(result, events)
         });
         let conversation = batch.conversation_id.to_string();
         let queue = self.lock().get(&conversation).map(|o| o.queue.clone());
@@ -421,13 +439,13 @@ impl Store for NatsStore {
             term: 0,
         };
         let Some(queue) = queue else {
-            done(Err(not_owner()));
+            done(Err(not_owner()), &batch.events);
             return;
         };
         self.pending.send_modify(|n| *n += 1);
-        if let Err(mpsc::error::SendError((_, done))) = queue.send((batch, done)) {
+        if let Err(mpsc::error::SendError((batch, done))) = queue.send((batch, done)) {
             self.pending.send_modify(|n| *n = n.saturating_sub(1));
-            done(Err(not_owner()));
+            done(Err(not_owner()), &batch.events);
         }
     }
 
@@ -545,5 +563,63 @@ impl Store for NatsStore {
     /// stream's `max_age`).
     async fn prune(&self, _before: SystemTime) -> Result<u64, StoreError> {
         Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::EventData;
+    use crate::store::ConversationState;
+
+    fn job(seqs: std::ops::RangeInclusive<u64>, heard: &Arc<Mutex<Vec<Vec<u64>>>>) -> Job {
+        let events: Vec<_> = seqs
+            .clone()
+            .map(|seq| {
+                Arc::new(EventRecord::new(
+                    "c_1",
+                    seq,
+                    &EventData::TextDelta {
+                        turn_id: "t_1".into(),
+                        text: "x".into(),
+                    },
+                ))
+            })
+            .collect();
+        let batch = AppendBatch {
+            conversation_id: Arc::from("c_1"),
+            create: None,
+            events,
+            state: ConversationState {
+                status: Status::Running,
+                head_seq: *seqs.end(),
+                last_activity_at: None,
+                current_turn_id: None,
+                last_turn_message_seq: 0,
+            },
+            client_msg_ids: Vec::new(),
+            forget_client_msg_ids_before: 0,
+        };
+        let heard = heard.clone();
+        let done: CommitCallback = Box::new(move |result, events| {
+            assert!(result.is_ok());
+            let seqs = events.iter().map(|e| e.seq).collect();
+            heard.lock().unwrap().push(seqs);
+        });
+        (batch, done)
+    }
+
+    #[test]
+    fn merged_appends_each_hear_of_their_own_events() {
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let first = job(1..=2, &heard);
+        let rest = vec![job(3..=3, &heard), job(4..=6, &heard)];
+        let (merged, callbacks) = merge(first, rest);
+        assert_eq!(merged.events.len(), 6);
+        assert_eq!(merged.state.head_seq, 6, "the last append's state");
+        let mut answered = 0;
+        answer(callbacks, &Ok(()), &merged.events, || answered += 1);
+        assert_eq!(answered, 3);
+        assert_eq!(*heard.lock().unwrap(), [vec![1, 2], vec![3], vec![4, 5, 6]]);
     }
 }

@@ -79,7 +79,7 @@ impl MemoryStore {
                     title: new.map(|n| n.title.clone()).unwrap_or_default(),
                     status: state.status,
                     created_at: new.map(|n| n.created_at.clone()).unwrap_or_default(),
-                    last_activity_at: state.last_activity_at.clone(),
+                    last_activity_at: batch.last_activity_at().into_owned(),
                     head_seq: 0,
                     close_delay: new.and_then(|n| n.close_delay),
                     observers: Vec::new(),
@@ -89,8 +89,8 @@ impl MemoryStore {
             });
             meta.status = state.status;
             meta.head_seq = state.head_seq;
-            meta.last_activity_at = state.last_activity_at.clone();
-            meta.current_turn_id = state.current_turn_id.clone();
+            meta.last_activity_at = batch.last_activity_at().into_owned();
+            meta.current_turn_id = state.current_turn_id.as_deref().map(String::from);
             meta.last_turn_message_seq = state.last_turn_message_seq;
             conv.events.extend(batch.events.iter().cloned());
             conv.client_msg_ids
@@ -111,9 +111,10 @@ fn message_text(record: &EventRecord) -> Option<String> {
 #[async_trait]
 impl Store for MemoryStore {
     fn append(&self, batch: AppendBatch, done: CommitCallback) {
+        let events = batch.events.clone();
         let result = self.apply(batch);
         self.appends.send_modify(|n| *n += 1);
-        done(result);
+        done(result, &events);
     }
 
     async fn flush(&self) -> Result<(), StoreError> {

@@ -7,6 +7,7 @@ pub mod lock;
 pub mod memory;
 pub mod sqlite;
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -49,8 +50,13 @@ pub struct ConversationMeta {
 pub struct ConversationState {
     pub status: Status,
     pub head_seq: u64,
-    pub last_activity_at: String,
-    pub current_turn_id: Option<String>,
+    /// `None`: the time of the append's last event (see
+    /// [`AppendBatch::last_activity_at`]); the conversation actor's appends
+    /// all carry events, and copying that time out of each was an
+    /// allocation per append that few stores read.
+    pub last_activity_at: Option<String>,
+    /// Shared with the conversation's turn: no copy per append.
+    pub current_turn_id: Option<Arc<str>>,
     pub last_turn_message_seq: u64,
 }
 
@@ -78,6 +84,18 @@ pub struct AppendBatch {
     pub forget_client_msg_ids_before: u64,
 }
 
+impl AppendBatch {
+    /// The conversation's last activity as of this append: the state's, or
+    /// else its last event's time, or else now.
+    pub fn last_activity_at(&self) -> Cow<'_, str> {
+        match (&self.state.last_activity_at, self.events.last()) {
+            (Some(at), _) => Cow::Borrowed(at),
+            (None, Some(event)) => Cow::Borrowed(event.ts()),
+            (None, None) => Cow::Owned(crate::event::now_rfc3339()),
+        }
+    }
+}
+
 /// A queued user message found when reactivating a conversation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueuedMessage {
@@ -98,9 +116,12 @@ pub struct Snapshot {
     pub client_msg_ids: Vec<(String, u64)>,
 }
 
-/// Called once the append is durable (or failed); runs on the writer, so it
-/// must only hand the result on (send a message), never block.
-pub type CommitCallback = Box<dyn FnOnce(Result<(), StoreError>) + Send + 'static>;
+/// Called once the append is durable (or failed), with the append's own
+/// events, so that whoever sends them on needs no copy of their list; runs
+/// on the writer, so it must only hand the result on (send a message,
+/// queue frames), never block.
+pub type CommitCallback =
+    Box<dyn FnOnce(Result<(), StoreError>, &[Arc<EventRecord>]) + Send + 'static>;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {

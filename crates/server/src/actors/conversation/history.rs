@@ -28,11 +28,6 @@ impl State {
         } else {
             self.status()
         };
-        // The last event's time: the conversation's last activity.
-        let last_activity_at = write
-            .events
-            .last()
-            .map_or_else(now_rfc3339, |event| event.ts().to_owned());
         let batch = AppendBatch {
             conversation_id: self.id.clone(),
             create: write.create,
@@ -40,8 +35,9 @@ impl State {
             state: ConversationState {
                 status,
                 head_seq: write.upto,
-                last_activity_at,
-                current_turn_id: self.turn.as_ref().map(|t| t.id.to_string()),
+                // The last event's time (a batch is never empty).
+                last_activity_at: None,
+                current_turn_id: self.turn.as_ref().map(|t| t.id.clone()),
                 last_turn_message_seq: self.last_turn_message_seq,
             },
             client_msg_ids: write.client_msg_ids,
@@ -51,14 +47,14 @@ impl State {
         let (upto, credits, epoch) = (write.upto, write.credits, write.epoch);
         // While a turn streams, the commit is sent from the store's side
         // (`fanout.rs`); the actor hears of it only when something waits.
-        let fast = self.fanout.clone().map(|fanout| {
-            let events = batch.events.clone();
-            (fanout, events, self.credits.clone())
-        });
+        let fast = self
+            .fanout
+            .clone()
+            .map(|fanout| (fanout, self.credits.clone()));
         self.store.append(
             batch,
-            Box::new(move |result| {
-                if let (Ok(()), Some((fanout, events, permits))) = (&result, &fast) {
+            Box::new(move |result, events| {
+                if let (Ok(()), Some((fanout, permits))) = (&result, &fast) {
                     if let Commit::Sent { wake } = fanout.on_commit(epoch, events, upto) {
                         permits.add_permits(credits);
                         if wake {
@@ -96,11 +92,29 @@ impl State {
     /// once the conversation exists: what it released is the caller's to
     /// send (events first, then the replies that waited on them).
     fn commit_upto(&mut self, myself: &ActorRef<ConversationMsg>, upto: u64) -> Released {
+        self.count_committed(upto);
         let cap = self.config.get().conversations.replay_buffer_events;
         let released = self.log.commit(upto, cap);
-        m::events_appended(released.events.iter().map(|r| &*r.kind));
         self.attach_creator(myself);
         released
+    }
+
+    /// [`State::commit_upto`] of events the fanout sent: only the replies
+    /// that waited on them are left to send.
+    fn commit_sent_upto(
+        &mut self,
+        myself: &ActorRef<ConversationMsg>,
+        upto: u64,
+    ) -> Vec<DeferredReply> {
+        self.count_committed(upto);
+        let cap = self.config.get().conversations.replay_buffer_events;
+        let replies = self.log.commit_sent(upto, cap);
+        self.attach_creator(myself);
+        replies
+    }
+
+    fn count_committed(&self, upto: u64) {
+        m::events_appended(self.log.releasing(upto).map(|r| &*r.kind));
     }
 
     /// The creator hears `created` only once the conversation exists (its
@@ -168,8 +182,7 @@ impl State {
     fn take_in(&mut self, myself: &ActorRef<ConversationMsg>, news: News) {
         if news.sent > self.log.committed() {
             // Its events went out from the fanout already.
-            let released = self.commit_upto(myself, news.sent);
-            for reply in released.replies {
+            for reply in self.commit_sent_upto(myself, news.sent) {
                 self.reply_to(reply.conn, &reply.frame);
             }
         }

@@ -222,25 +222,49 @@ impl Log {
     /// those events move into the replay buffer (at most `buffer_cap`
     /// events), and they and the replies waiting on them are released.
     pub(super) fn commit(&mut self, upto: u64, buffer_cap: usize) -> Released {
+        let mut events = Vec::with_capacity(self.releasing(upto).len());
+        let replies = self.release(upto, buffer_cap, |record| events.push(record.clone()));
+        Released { events, replies }
+    }
+
+    /// [`Log::commit`] of events someone else sent already (the fanout):
+    /// they only move into the replay buffer, and the replies waiting on
+    /// them are released. Nothing is gathered for the caller to send.
+    pub(super) fn commit_sent(&mut self, upto: u64, buffer_cap: usize) -> Vec<DeferredReply> {
+        self.release(upto, buffer_cap, |_| {})
+    }
+
+    /// The events in flight that a commit up to `upto` releases.
+    pub(super) fn releasing(
+        &self,
+        upto: u64,
+    ) -> std::collections::vec_deque::Iter<'_, Arc<EventRecord>> {
         // In flight is in seq order: the released events are a prefix.
         let releasing = self.in_flight.partition_point(|record| record.seq <= upto);
-        let mut released = Released {
-            events: Vec::with_capacity(releasing),
-            replies: Vec::new(),
-        };
+        self.in_flight.range(..releasing)
+    }
+
+    fn release(
+        &mut self,
+        upto: u64,
+        buffer_cap: usize,
+        mut each: impl FnMut(&Arc<EventRecord>),
+    ) -> Vec<DeferredReply> {
+        let releasing = self.releasing(upto).len();
         for record in self.in_flight.drain(..releasing) {
-            self.buffer.push(record.clone(), buffer_cap);
-            released.events.push(record);
+            each(&record);
+            self.buffer.push(record, buffer_cap);
         }
         self.committed = self.committed.max(upto);
+        let mut replies = Vec::new();
         while let Some(reply) = self.waiting.pop_front() {
             if reply.seq > self.committed {
                 self.waiting.push_front(reply);
                 break;
             }
-            released.replies.push(reply);
+            replies.push(reply);
         }
-        released
+        replies
     }
 
     /// Holds `reply` until its seq is committed; gives it back when it
@@ -392,6 +416,32 @@ mod tests {
         let next = log.take_batch().expect("a batch");
         assert_eq!((next.credits, next.create.is_none()), (0, true));
         assert!(next.client_msg_ids.is_empty());
+    }
+
+    #[test]
+    fn a_commit_sent_elsewhere_fills_the_buffer_and_releases_only_replies() {
+        let mut log = log();
+        append(&mut log, 3);
+        assert_eq!(log.reply_when_committed(ack(2)).map(|r| r.seq), None);
+        assert_eq!(log.reply_when_committed(ack(3)).map(|r| r.seq), None);
+        let write = log.take_batch().expect("a batch");
+        assert_eq!(
+            log.releasing(2).map(|r| r.seq).collect::<Vec<_>>(),
+            [1, 2],
+            "what a commit up to 2 releases"
+        );
+        let replies = log.commit_sent(2, 16);
+        assert_eq!(reply_seqs(&replies), [2]);
+        assert_eq!((log.committed(), log.buffer().len()), (2, 2));
+        assert_eq!(
+            seqs(&log.buffer().since(1, log.committed()).unwrap_or_default()),
+            [1, 2]
+        );
+        // The rest, committed the usual way, follows in the buffer.
+        let released = log.commit(write.upto, 16);
+        assert_eq!(seqs(&released.events), [3]);
+        assert_eq!(reply_seqs(&released.replies), [3]);
+        assert_eq!(log.buffer().len(), 3);
     }
 
     #[test]

@@ -35,7 +35,8 @@ fn state(status: Status, head_seq: u64) -> ConversationState {
     ConversationState {
         status,
         head_seq,
-        last_activity_at: crate::event::now_rfc3339(),
+        // As the conversation actor sends it: the last event's time.
+        last_activity_at: None,
         current_turn_id: None,
         last_turn_message_seq: 0,
     }
@@ -82,11 +83,34 @@ async fn append(store: &SqliteStore, batch: AppendBatch) -> Result<(), StoreErro
     let (tx, rx) = oneshot::channel();
     store.append(
         batch,
-        Box::new(move |r| {
+        Box::new(move |r, _| {
             let _ = tx.send(r);
         }),
     );
     rx.await.unwrap()
+}
+
+/// The commit callback is handed the append's own events (what the
+/// conversation's fanout sends on), not a copy of them.
+#[tokio::test]
+async fn a_commit_callback_gets_its_own_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let evs: Vec<_> = (2..=4).map(|s| delta("c_1", s, "tok")).collect();
+    let sent = evs.clone();
+    let (tx, rx) = oneshot::channel();
+    store.append(
+        events_batch("c_1", evs, state(Status::Running, 4)),
+        Box::new(move |r, events| {
+            let same = events.len() == sent.len()
+                && events.iter().zip(&sent).all(|(a, b)| Arc::ptr_eq(a, b));
+            let _ = tx.send((r, same));
+        }),
+    );
+    let (result, same) = rx.await.unwrap();
+    result.unwrap();
+    assert!(same, "the callback sees the very events appended, in order");
 }
 
 #[tokio::test]
@@ -94,7 +118,8 @@ async fn append_and_read_back() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
     append(&store, create_batch("c_1", "alice")).await.unwrap();
-    let evs = (2..=4).map(|s| delta("c_1", s, "tok")).collect();
+    let evs: Vec<_> = (2..=4).map(|s| delta("c_1", s, "tok")).collect();
+    let last_ts = evs[2].ts().to_owned();
     let mut st = state(Status::Running, 4);
     st.current_turn_id = Some("t_1".into());
     append(&store, events_batch("c_1", evs, st.clone()))
@@ -108,7 +133,9 @@ async fn append_and_read_back() {
     assert_eq!(meta.head_seq, 4);
     assert_eq!(meta.close_delay, Some(Duration::from_secs(90)));
     assert_eq!(meta.current_turn_id.as_deref(), Some("t_1"));
-    assert_eq!(meta.last_activity_at, st.last_activity_at);
+    // The row was rewritten (the status changed) with the time of the
+    // append's last event.
+    assert_eq!(meta.last_activity_at, last_ts);
     assert!(store.get("c_nope").await.unwrap().is_none());
 
     let all = store.events("c_1", 0, 100).await.unwrap();
@@ -136,7 +163,7 @@ async fn callback_fires_after_commit() {
     let evs = (2..=11).map(|s| delta("c_1", s, "x")).collect();
     store.append(
         events_batch("c_1", evs, state(Status::Running, 11)),
-        Box::new(move |r| {
+        Box::new(move |r, _| {
             let conn =
                 Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
             let in_runs: usize = conn
@@ -170,7 +197,7 @@ async fn group_commit_groups() {
     let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
     store.append(
         create_batch("c_1", "alice"),
-        Box::new(move |r| {
+        Box::new(move |r, _| {
             r.unwrap();
             let _ = gate_rx.recv();
         }),
@@ -186,7 +213,7 @@ async fn group_commit_groups() {
                 vec![delta("c_1", seq, "tok ")],
                 state(Status::Running, seq),
             ),
-            Box::new(move |r| {
+            Box::new(move |r, _| {
                 let _ = done_tx.send(r);
             }),
         );
@@ -212,14 +239,14 @@ async fn a_bad_append_fails_alone() {
     let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
     store.append(
         create_batch("c_1", "alice"),
-        Box::new(move |_| {
+        Box::new(move |_, _| {
             let _ = gate_rx.recv();
         }),
     );
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let cb = |name: &'static str| -> CommitCallback {
         let tx = tx.clone();
-        Box::new(move |r| {
+        Box::new(move |r, _| {
             let _ = tx.send((name, r));
         })
     };
@@ -1111,7 +1138,7 @@ async fn delete_removes_everything() {
     );
     batch.client_msg_ids = vec![("m1".into(), 2)];
     // Not awaited: the delete must still be ordered after it.
-    store.append(batch, Box::new(|r| r.unwrap()));
+    store.append(batch, Box::new(|r, _| r.unwrap()));
     assert!(store.delete("c_1").await.unwrap());
     assert!(!store.delete("c_1").await.unwrap());
     assert!(store.get("c_1").await.unwrap().is_none());
@@ -1138,7 +1165,7 @@ async fn delete_removes_everything() {
 async fn observers() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
-    store.append(create_batch("c_1", "alice"), Box::new(|r| r.unwrap()));
+    store.append(create_batch("c_1", "alice"), Box::new(|r, _| r.unwrap()));
     store.add_observer("c_1", "bob").await.unwrap();
     store.add_observer("c_1", "carol").await.unwrap();
     store.add_observer("c_1", "bob").await.unwrap();
@@ -1258,7 +1285,7 @@ async fn list_and_unfinished() {
     }
     let at = |id: &str, head: u64, status: Status, secs: u64| {
         let mut st = state(status, head);
-        st.last_activity_at = ts(secs);
+        st.last_activity_at = Some(ts(secs));
         events_batch(id, vec![], st)
     };
     append(&store, at("c_a", 1, Status::Stopped, 3_000))
@@ -1293,7 +1320,7 @@ async fn data_survives_reopen() {
         // Queued, not awaited: dropping the store finishes it.
         store.append(
             events_batch("c_1", vec![delta("c_1", 2, "a"), delta("c_1", 3, "b")], st),
-            Box::new(|r| r.unwrap()),
+            Box::new(|r, _| r.unwrap()),
         );
     }
     let store = SqliteStore::open(dir.path()).unwrap();
@@ -1381,7 +1408,10 @@ async fn the_wal_is_checkpointed_and_truncated_when_idle() {
 async fn a_panicking_callback_does_not_stop_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
-    store.append(create_batch("c_1", "alice"), Box::new(|_| panic!("boom")));
+    store.append(
+        create_batch("c_1", "alice"),
+        Box::new(|_, _| panic!("boom")),
+    );
     append(
         &store,
         events_batch("c_1", vec![delta("c_1", 2, "x")], state(Status::Idle, 2)),
@@ -1401,7 +1431,7 @@ async fn last_handle_dropped_by_a_callback() {
     let handle = store.clone();
     store.append(
         create_batch("c_1", "alice"),
-        Box::new(move |r| {
+        Box::new(move |r, _| {
             drop(handle);
             let _ = tx.send(r);
         }),

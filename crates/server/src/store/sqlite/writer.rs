@@ -4,6 +4,8 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
+use smallvec::SmallVec;
+
 use super::*;
 
 pub(super) enum Command {
@@ -49,9 +51,9 @@ impl Command {
     /// conversation's durability) down with it.
     pub(super) fn finish(self, result: Result<Done, StoreError>) {
         match self {
-            Command::Append { done, .. } => {
+            Command::Append { done, batch } => {
                 let r = result.map(|_| ());
-                if catch_unwind(AssertUnwindSafe(|| done(r))).is_err() {
+                if catch_unwind(AssertUnwindSafe(|| done(r, &batch.events))).is_err() {
                     tracing::error!("store: an append callback panicked");
                 }
             }
@@ -574,19 +576,21 @@ pub(super) struct TouchedRow<'g, 'k> {
     pub(super) head: u64,
     /// The row's fields as stored before this group.
     pub(super) stored: Cow<'k, RowFields>,
-    /// The state of the last append, written to the row if needed.
-    pub(super) pending: Option<&'g ConversationState>,
+    /// The last append, whose state is written to the row if needed.
+    pub(super) pending: Option<&'g AppendBatch>,
     /// An append without events: only the row can record its state.
     pub(super) row_needed: bool,
-    /// This group's events, in seq order, for the runs.
-    pub(super) events: Vec<&'g EventRecord>,
+    /// This group's events, in seq order, for the runs. Paced traffic
+    /// brings one or two per conversation and group: held inline, not in
+    /// an allocation of their own.
+    pub(super) events: SmallVec<[&'g EventRecord; 4]>,
 }
 
 impl<'g> TouchedRow<'g, '_> {
     /// The state the row must be updated to, if it must.
-    fn row_update(&self) -> Option<&'g ConversationState> {
+    fn row_update(&self) -> Option<&'g AppendBatch> {
         self.pending
-            .filter(|state| self.row_needed || !self.stored.matches(state))
+            .filter(|batch| self.row_needed || !self.stored.matches(&batch.state))
     }
 }
 
@@ -622,7 +626,7 @@ impl<'g, 'k> Touched<'g, 'k> {
                 stored,
                 pending: None,
                 row_needed: false,
-                events: Vec::new(),
+                events: SmallVec::new(),
             },
         );
         Ok(head)
@@ -635,7 +639,7 @@ impl<'g, 'k> Touched<'g, 'k> {
             id,
             head: row.head,
             fields: match (row.row_update(), &row.stored) {
-                (Some(state), _) => Some(RowFields::of(state)),
+                (Some(batch), _) => Some(RowFields::of(&batch.state)),
                 (None, Cow::Owned(fields)) => Some(fields.clone()),
                 (None, Cow::Borrowed(_)) => None,
             },
@@ -675,7 +679,8 @@ impl<'g, 'k> Touched<'g, 'k> {
                 let bytes = journal_row.event_bytes() - bytes_before;
                 journaled.push((*id, row.events.len(), bytes));
             }
-            if let Some(state) = row.row_update() {
+            if let Some(batch) = row.row_update() {
+                let state = &batch.state;
                 conn.prepare_cached(
                     "UPDATE conversations SET status = ?2, head_seq = ?3, last_activity_at = ?4, \
                      current_turn_id = ?5, last_turn_message_seq = ?6 WHERE id = ?1",
@@ -684,8 +689,8 @@ impl<'g, 'k> Touched<'g, 'k> {
                     id,
                     state.status.as_str(),
                     clamp_i64(state.head_seq),
-                    state.last_activity_at,
-                    state.current_turn_id,
+                    batch.last_activity_at(),
+                    state.current_turn_id.as_deref(),
                     clamp_i64(state.last_turn_message_seq),
                 ])?;
             }
@@ -783,10 +788,10 @@ pub(super) fn append<'a>(
                 new.title,
                 state.status.as_str(),
                 new.created_at,
-                state.last_activity_at,
+                batch.last_activity_at(),
                 clamp_i64(state.head_seq),
                 close_delay_ms,
-                state.current_turn_id,
+                state.current_turn_id.as_deref(),
                 clamp_i64(state.last_turn_message_seq),
             ])?;
         }
@@ -827,11 +832,11 @@ pub(super) fn append<'a>(
         stored: Cow::Owned(RowFields::of(state)),
         pending: None,
         row_needed: false,
-        events: Vec::new(),
+        events: SmallVec::new(),
     });
     row.head = state.head_seq;
     if batch.create.is_none() {
-        row.pending = Some(state);
+        row.pending = Some(batch);
         row.row_needed |= batch.events.is_empty();
     }
     row.events.extend(batch.events.iter().map(|ev| &**ev));
