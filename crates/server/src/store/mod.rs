@@ -117,8 +117,9 @@ pub struct Snapshot {
 }
 
 /// Called once the append is durable (or failed), with the append's own
-/// events, so that whoever sends them on needs no copy of their list; runs
-/// on the writer, so it must only hand the result on (send a message,
+/// events, so that whoever sends them on needs no copy of their list. The
+/// store's other appends wait for it (callbacks run one after the other,
+/// in commit order), so it must only hand the result on (send a message,
 /// queue frames), never block.
 pub type CommitCallback =
     Box<dyn FnOnce(Result<(), StoreError>, &[Arc<EventRecord>]) + Send + 'static>;

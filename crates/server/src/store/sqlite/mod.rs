@@ -45,6 +45,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod answers;
 mod checkpoint;
 mod connections;
 mod journal;
@@ -74,6 +75,7 @@ use super::{
 };
 use crate::event::{intern_kind, EventRecord};
 use crate::protocol::Status;
+use answers::Answers;
 use checkpoint::*;
 use connections::*;
 use journal::{Fold, JournalFill, JournalMembers};
@@ -193,6 +195,7 @@ impl SqliteStore {
             journal_row: JournalRow::default(),
             last_group_at: None,
             wrote_since_release: false,
+            answers: Answers::start(),
         };
         let writer = spawn("linger-store-writer", move || writer.run())?;
         Ok(SqliteStore {

@@ -78,6 +78,14 @@ fn events_batch(id: &str, events: Vec<Arc<EventRecord>>, st: ConversationState) 
     }
 }
 
+/// Stops the writer at the next command it takes until the returned
+/// sender is sent to (or dropped).
+fn hold_writer(store: &SqliteStore) -> std::sync::mpsc::Sender<()> {
+    let (gate, until) = std::sync::mpsc::channel();
+    store.send(Command::Hold { until });
+    gate
+}
+
 /// Appends and waits for the callback.
 async fn append(store: &SqliteStore, batch: AppendBatch) -> Result<(), StoreError> {
     let (tx, rx) = oneshot::channel();
@@ -111,6 +119,41 @@ async fn a_commit_callback_gets_its_own_events() {
     let (result, same) = rx.await.unwrap();
     result.unwrap();
     assert!(same, "the callback sees the very events appended, in order");
+}
+
+/// The thread an append's callback ran on.
+fn callback_thread(store: &SqliteStore) -> std::sync::mpsc::Receiver<Option<String>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    store.append(
+        create_batch("c_1", "alice"),
+        Box::new(move |r, _| {
+            r.unwrap();
+            let _ = tx.send(std::thread::current().name().map(str::to_owned));
+        }),
+    );
+    rx
+}
+
+/// Opened on an async runtime, the store answers its appends there, not
+/// on its writer thread (`answers.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn callbacks_run_on_the_runtime() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let ran_on = callback_thread(&store);
+    let ran_on = tokio::task::spawn_blocking(move || ran_on.recv().unwrap())
+        .await
+        .unwrap();
+    assert_ne!(ran_on.as_deref(), Some("linger-store-writer"));
+}
+
+/// Opened without a runtime, the writer answers its appends itself.
+#[test]
+fn without_a_runtime_the_writer_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let ran_on = callback_thread(&store).recv().unwrap();
+    assert_eq!(ran_on.as_deref(), Some("linger-store-writer"));
 }
 
 #[tokio::test]
@@ -192,16 +235,10 @@ async fn callback_fires_after_commit() {
 async fn group_commit_groups() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
-    // Hold the writer inside a callback while the appends queue up, so
-    // that the grouping does not depend on how the threads race.
-    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
-    store.append(
-        create_batch("c_1", "alice"),
-        Box::new(move |r, _| {
-            r.unwrap();
-            let _ = gate_rx.recv();
-        }),
-    );
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    // Hold the writer while the appends queue up, so that the grouping
+    // does not depend on how the threads race.
+    let gate_tx = hold_writer(&store);
     let before = store.commits();
     let n = 10_000u64;
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -236,13 +273,8 @@ async fn group_commit_groups() {
 async fn a_bad_append_fails_alone() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
-    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
-    store.append(
-        create_batch("c_1", "alice"),
-        Box::new(move |_, _| {
-            let _ = gate_rx.recv();
-        }),
-    );
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let gate_tx = hold_writer(&store);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let cb = |name: &'static str| -> CommitCallback {
         let tx = tx.clone();

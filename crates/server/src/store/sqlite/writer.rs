@@ -1,5 +1,6 @@
 //! The writer thread: the only write connection, commands applied in queue
-//! order, group commit, and the callbacks after each commit.
+//! order, group commit, and each group's outcomes handed out after its
+//! commit (`answers.rs`).
 
 use std::borrow::Cow;
 use std::time::Instant;
@@ -32,6 +33,13 @@ pub(super) enum Command {
     Prune {
         cutoff: String,
         reply: oneshot::Sender<Result<u64, StoreError>>,
+    },
+    /// Tests: the writer waits here, when it takes this command, until
+    /// `until` is sent to or dropped, so that what is queued meanwhile
+    /// goes as one group whatever the threads' timing.
+    #[cfg(test)]
+    Hold {
+        until: std::sync::mpsc::Receiver<()>,
     },
 }
 
@@ -68,6 +76,8 @@ impl Command {
             Command::Prune { reply, .. } => {
                 let _ = reply.send(result.map(|_| 0));
             }
+            #[cfg(test)]
+            Command::Hold { .. } => {}
         }
     }
 }
@@ -116,6 +126,9 @@ pub(super) struct Writer {
     /// A group or a fold ran since the heaps last gave their free pages
     /// back (see [`QUIET_BEFORE_RELEASE`]).
     pub(super) wrote_since_release: bool,
+    /// Where each group's commands are answered once it is committed (or
+    /// failed): `answers.rs`.
+    pub(super) answers: Answers,
 }
 
 /// How long the writer waits with nothing to do, after it wrote, before
@@ -313,6 +326,10 @@ impl Writer {
                 journal_folded: false,
                 reply,
             }),
+            #[cfg(test)]
+            Command::Hold { until } => {
+                let _ = until.recv();
+            }
             cmd => group.push(cmd),
         }
     }
@@ -370,18 +387,15 @@ impl Writer {
             Ok(()) => {
                 self.commits.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::store_commit(started.elapsed(), group.len());
-                for (cmd, result) in group.drain(..).zip(results) {
-                    cmd.finish(result);
-                }
+                self.answers.send(group.drain(..).zip(results).collect());
                 if let Some(result) = pruned {
                     self.prune_progress(result);
                 }
             }
             Err(e) => {
                 tracing::error!(error = %e, commands = group.len(), "store: commit failed");
-                for cmd in group.drain(..) {
-                    cmd.fail(e.clone());
-                }
+                self.answers
+                    .send(group.drain(..).map(|cmd| (cmd, Err(e.clone()))).collect());
                 if prune_cutoff.is_some() {
                     self.prune_progress(Err(e));
                 }
@@ -761,6 +775,8 @@ pub(super) fn apply<'a>(
         }
         // Never in a group (see `Writer::take`).
         Command::Prune { .. } => Ok(Done::Unit),
+        #[cfg(test)]
+        Command::Hold { .. } => Ok(Done::Unit),
     }
 }
 
