@@ -51,9 +51,10 @@ pub struct ConversationState {
     pub status: Status,
     pub head_seq: u64,
     /// `None`: the time of the append's last event (see
-    /// [`AppendBatch::last_activity_at`]); the conversation actor's appends
-    /// all carry events, and copying that time out of each was an
-    /// allocation per append that few stores read.
+    /// [`AppendBatch::last_activity_at`]). The conversation actor's appends
+    /// all carry events; copying that time out of each cost an allocation
+    /// per append, for a value the embedded store writes only when the
+    /// conversation's row changes.
     pub last_activity_at: Option<String>,
     /// Shared with the conversation's turn: no copy per append.
     pub current_turn_id: Option<Arc<str>>,

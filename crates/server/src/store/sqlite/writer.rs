@@ -55,8 +55,8 @@ impl Command {
     }
 
     /// Hands the result to whoever waits. Callbacks are the caller's code:
-    /// one that panics must not take the writer (and every other
-    /// conversation's durability) down with it.
+    /// one that panics must not take down what answers every other
+    /// conversation's appends (the answering task, or the writer itself).
     pub(super) fn finish(self, result: Result<Done, StoreError>) {
         match self {
             Command::Append { done, batch } => {
