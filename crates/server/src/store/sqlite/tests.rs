@@ -147,6 +147,42 @@ async fn callbacks_run_on_the_runtime() {
     assert_ne!(ran_on.as_deref(), Some("linger-store-writer"));
 }
 
+/// However the appends fall into groups, their callbacks run in the order
+/// the appends were committed: the fanout sends a conversation's events
+/// from them, in seq order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callbacks_run_in_commit_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let n = 2_000u64;
+    for seq in 2..=n + 1 {
+        let tx = tx.clone();
+        store.append(
+            events_batch(
+                "c_1",
+                vec![delta("c_1", seq, "tok ")],
+                state(Status::Running, seq),
+            ),
+            Box::new(move |r, events| {
+                r.unwrap();
+                let _ = tx.send(events[0].seq);
+            }),
+        );
+        if seq % 100 == 0 {
+            // Let the writer commit what is queued, so that there are
+            // many groups.
+            tokio::task::yield_now().await;
+        }
+    }
+    let mut heard = Vec::new();
+    for _ in 0..n {
+        heard.push(rx.recv().await.unwrap());
+    }
+    assert_eq!(heard, (2..=n + 1).collect::<Vec<_>>());
+}
+
 /// Opened without a runtime, the writer answers its appends itself.
 #[test]
 fn without_a_runtime_the_writer_answers() {
