@@ -86,6 +86,18 @@ fn hold_writer(store: &SqliteStore) -> std::sync::mpsc::Sender<()> {
     gate
 }
 
+/// Queues a one-token append of `c_1` at `seq`, without waiting for it.
+fn queue_token(store: &SqliteStore, seq: u64, done: CommitCallback) {
+    store.append(
+        events_batch(
+            "c_1",
+            vec![delta("c_1", seq, "tok ")],
+            state(Status::Running, seq),
+        ),
+        done,
+    );
+}
+
 /// Appends and waits for the callback.
 async fn append(store: &SqliteStore, batch: AppendBatch) -> Result<(), StoreError> {
     let (tx, rx) = oneshot::channel();
@@ -159,12 +171,9 @@ async fn callbacks_run_in_commit_order() {
     let n = 2_000u64;
     for seq in 2..=n + 1 {
         let tx = tx.clone();
-        store.append(
-            events_batch(
-                "c_1",
-                vec![delta("c_1", seq, "tok ")],
-                state(Status::Running, seq),
-            ),
+        queue_token(
+            &store,
+            seq,
             Box::new(move |r, events| {
                 r.unwrap();
                 let _ = tx.send(events[0].seq);
@@ -280,12 +289,9 @@ async fn group_commit_groups() {
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     for seq in 2..=n + 1 {
         let done_tx = done_tx.clone();
-        store.append(
-            events_batch(
-                "c_1",
-                vec![delta("c_1", seq, "tok ")],
-                state(Status::Running, seq),
-            ),
+        queue_token(
+            &store,
+            seq,
             Box::new(move |r, _| {
                 let _ = done_tx.send(r);
             }),
