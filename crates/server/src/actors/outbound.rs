@@ -68,6 +68,8 @@ pub struct OutboundReceiver {
 }
 
 impl OutboundReceiver {
+    /// The close asked for; `None` when the queue was closed by the token it
+    /// was made with ([`channel_stopped_by`]) or not closed.
     pub fn close_request(&self) -> Option<CloseRequest> {
         self.close_request
             .lock()
@@ -80,9 +82,28 @@ impl OutboundReceiver {
 /// bounded channel, plus the replies that may wait for room in it; a client
 /// that reads nothing for `patience` while frames wait is closed with 4008.
 pub fn channel(limit: usize, patience: Duration) -> (Outbound, OutboundReceiver) {
+    with_close(limit, patience, CancellationToken::new())
+}
+
+/// [`channel`], closed also when `stop` is cancelled (the server's shutdown
+/// of its sockets), with no [`CloseRequest`]. One token to watch instead of
+/// two: the socket's writer polls it at every frame, and the shutdown
+/// token is shared by every connection (each poll takes its locks).
+pub fn channel_stopped_by(
+    limit: usize,
+    patience: Duration,
+    stop: &CancellationToken,
+) -> (Outbound, OutboundReceiver) {
+    with_close(limit, patience, stop.child_token())
+}
+
+fn with_close(
+    limit: usize,
+    patience: Duration,
+    close: CancellationToken,
+) -> (Outbound, OutboundReceiver) {
     let max_waiting = (limit / 4).clamp(1, MAX_WAITING_REPLIES);
     let (tx, rx) = mpsc::channel(limit.saturating_sub(max_waiting).max(1));
-    let close = CancellationToken::new();
     let close_request = Arc::new(Mutex::new(None));
     (
         Outbound {

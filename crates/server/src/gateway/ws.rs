@@ -22,7 +22,6 @@ use hyper_tungstenite::HyperWebsocketStream as WebSocket;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{self, Message, Utf8Bytes};
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::auth::Caller;
@@ -163,8 +162,13 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
     let (sink, mut stream) = socket.split();
     // Sized once: a reload reaches connections opened after it.
     let limits = app.config.get().limits.clone();
-    let (outbound, receiver) =
-        outbound::channel(limits.max_outbound_frames, limits.slow_consumer_patience);
+    // Closed by the sockets' shutdown too, with no close request: the
+    // writer then sends what is queued and the 1001 close.
+    let (outbound, receiver) = outbound::channel_stopped_by(
+        limits.max_outbound_frames,
+        limits.slow_consumer_patience,
+        &app.shutdown,
+    );
     // Frames are handled one at a time, in order; while one is being
     // handled the socket is read ahead (`ReadAhead`), so that the client's
     // pings are answered and its close is seen.
@@ -176,22 +180,18 @@ async fn serve(socket: WebSocket, app: AppState, caller: Caller, slot: Slot) {
         config: app.config.clone(),
     });
     m::websocket_connections(1.0);
-    let writer = tokio::spawn(write_loop(
-        Writer::new(sink),
-        receiver,
-        app.shutdown.clone(),
-    ));
+    let writer = tokio::spawn(write_loop(Writer::new(sink), receiver));
     let mut ahead = ReadAhead::default();
     loop {
         let next = match ahead.pop() {
             // A close asked for, or the shutdown, while they were read wins.
-            Some(_) if outbound.is_closed() || app.shutdown.is_cancelled() => break,
+            Some(_) if outbound.is_closed() => break,
             Some(next) => next,
             None => tokio::select! {
                 next = stream.next() => next,
+                // A close, or the shutdown: then the writer sends what is
+                // queued and the 1001 close.
                 _ = outbound.closed() => break,
-                // The writer sends what is queued, then the 1001 close.
-                _ = app.shutdown.cancelled() => break,
             },
         };
         let message = match next {
@@ -352,34 +352,32 @@ impl Writer {
     }
 }
 
-async fn write_loop(mut writer: Writer, mut out: OutboundReceiver, shutdown: CancellationToken) {
+async fn write_loop(mut writer: Writer, mut out: OutboundReceiver) {
     // Made once and polled again at each frame: a future made per frame
-    // registered with its token's waiters and left them again each time,
-    // two locks of the shutdown token, which every connection shares.
+    // registered with its token's waiters and left them again each time.
+    // The token is the connection's own, which the shutdown cancels too.
     let close = out.close.clone();
     let closed = close.cancelled();
-    let stopping = shutdown.cancelled();
-    tokio::pin!(closed, stopping);
+    tokio::pin!(closed);
     let request = loop {
         tokio::select! {
             biased;
-            _ = &mut closed => break out.close_request(),
-            _ = &mut stopping => break Some(CloseRequest {
+            // No close request: the server's shutdown closed the queue.
+            _ = &mut closed => break Some(out.close_request().unwrap_or(CloseRequest {
                 code: close_code::GOING_AWAY,
                 reason: "server shutting down",
                 drain: true,
-            }),
+            })),
             frame = out.rx.recv() => {
                 let Some(frame) = frame else { break None };
                 // The write first: when the socket takes it at once, as it
-                // mostly does, the tokens are not polled a second time.
+                // mostly does, the token is not polled a second time.
                 let sent = tokio::select! {
                     biased;
                     sent = send_batch(&mut writer, frame, &mut out.rx) => sent.is_ok(),
                     _ = &mut closed => false,
-                    _ = &mut stopping => false,
                 };
-                if !sent && !close.is_cancelled() && !shutdown.is_cancelled() {
+                if !sent && !close.is_cancelled() {
                     return;
                 }
             }

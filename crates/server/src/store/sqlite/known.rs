@@ -20,7 +20,10 @@ pub(super) struct RowFields {
     /// `None`: the row holds a status this version does not know (it is
     /// rewritten at the next append).
     pub(super) status: Option<Status>,
-    pub(super) current_turn_id: Option<Box<str>>,
+    /// Shared with the conversation's state: while a turn runs, every
+    /// append carries the same id, so comparing is comparing pointers
+    /// (the text compare touched two cold allocations per append).
+    pub(super) current_turn_id: Option<Arc<str>>,
     pub(super) last_turn_message_seq: u64,
 }
 
@@ -28,14 +31,19 @@ impl RowFields {
     pub(super) fn of(state: &ConversationState) -> RowFields {
         RowFields {
             status: Some(state.status),
-            current_turn_id: state.current_turn_id.as_deref().map(Box::from),
+            current_turn_id: state.current_turn_id.clone(),
             last_turn_message_seq: state.last_turn_message_seq,
         }
     }
 
     pub(super) fn matches(&self, state: &ConversationState) -> bool {
+        let same_turn = match (&self.current_turn_id, &state.current_turn_id) {
+            (Some(ours), Some(theirs)) => Arc::ptr_eq(ours, theirs) || ours == theirs,
+            (None, None) => true,
+            _ => false,
+        };
         self.status == Some(state.status)
-            && self.current_turn_id.as_deref() == state.current_turn_id.as_deref()
+            && same_turn
             && self.last_turn_message_seq == state.last_turn_message_seq
     }
 }

@@ -725,7 +725,7 @@ fn read_row(conn: &Connection, id: &str, journal: bool) -> Result<(u64, RowField
             row.get::<_, u64>(0)?,
             RowFields {
                 status: Status::parse(&row.get::<_, String>(1)?),
-                current_turn_id: row.get::<_, Option<String>>(2)?.map(Box::from),
+                current_turn_id: row.get::<_, Option<String>>(2)?.map(Arc::from),
                 last_turn_message_seq: row.get(3)?,
             },
         ))
