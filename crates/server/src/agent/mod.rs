@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
 use serde_json::Value;
-use tokio::sync::{Semaphore, TryAcquireError};
+use tokio::sync::Semaphore;
 
 /// What an agent reports during a turn.
 #[derive(Debug, Clone, PartialEq)]
@@ -75,16 +75,9 @@ impl EventSink {
     /// Sends one output, waiting for a credit first. Returns false when the
     /// conversation is gone (the runner should stop).
     pub async fn emit(&self, turn_id: &Arc<str>, output: AgentOutput) -> bool {
-        // Nearly always a credit is free: taken without the waiting
-        // future, whose set-up and wake-up bookkeeping cost more than the
-        // take itself.
-        match self.credits.try_acquire() {
+        match self.credits.acquire().await {
             Ok(permit) => permit.forget(),
-            Err(TryAcquireError::Closed) => return false,
-            Err(TryAcquireError::NoPermits) => match self.credits.acquire().await {
-                Ok(permit) => permit.forget(),
-                Err(_) => return false,
-            },
+            Err(_) => return false,
         }
         self.conversation.deliver(AgentEvent {
             turn_id: turn_id.clone(),
