@@ -95,9 +95,9 @@ pub(super) struct JournalFill {
     /// When the oldest of them was committed.
     since: Option<Instant>,
     /// Conversations with rows committed since the last fold started.
-    written: HashSet<Box<str>>,
+    written: HashSet<Arc<str>>,
     /// Conversations with rows the fold in progress moves.
-    folding: HashSet<Box<str>>,
+    folding: HashSet<Arc<str>>,
 }
 
 impl JournalFill {
@@ -113,12 +113,12 @@ impl JournalFill {
     }
 
     /// A commit wrote `events` of `id`, `bytes` encoded, into the journal.
-    pub(super) fn added(&mut self, id: &str, events: usize, bytes: usize, now: Instant) {
+    pub(super) fn added(&mut self, id: &Arc<str>, events: usize, bytes: usize, now: Instant) {
         self.events += events;
         self.bytes += bytes;
         self.since.get_or_insert(now);
-        if !self.written.contains(id) {
-            self.written.insert(id.into());
+        if !self.written.contains(&**id) {
+            self.written.insert(Arc::clone(id));
         }
     }
 
@@ -161,8 +161,8 @@ impl JournalFill {
     }
 
     /// The conversations written since the last fold began.
-    pub(super) fn written(&self) -> impl Iterator<Item = &str> {
-        self.written.iter().map(|id| &**id)
+    pub(super) fn written(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.written.iter()
     }
 
     /// When the next fold is due (`None`: nothing new in the journal).
@@ -207,7 +207,7 @@ pub(super) struct JournalMembers {
 
 #[derive(Debug, Default)]
 struct Members {
-    ids: HashSet<Box<str>>,
+    ids: HashSet<Arc<str>>,
     epoch: u64,
     /// Every conversation may have rows ([`JournalMembers::anyone`]).
     all: bool,
@@ -234,17 +234,17 @@ impl JournalMembers {
     }
 
     /// Before a commit writes journal rows of `id`.
-    pub(super) fn mark(&self, id: &str) {
+    pub(super) fn mark(&self, id: &Arc<str>) {
         let mut members = self.lock();
-        if !members.ids.contains(id) {
-            members.ids.insert(id.into());
+        if !members.ids.contains(&**id) {
+            members.ids.insert(Arc::clone(id));
         }
     }
 
     /// After a commit deleted journal rows: only `still` may have some.
-    pub(super) fn narrow_to<'a>(&self, still: impl IntoIterator<Item = &'a str>) {
+    pub(super) fn narrow_to<'a>(&self, still: impl IntoIterator<Item = &'a Arc<str>>) {
         let mut members = self.lock();
-        members.ids = still.into_iter().map(Box::from).collect();
+        members.ids = still.into_iter().cloned().collect();
         members.epoch += 1;
     }
 
@@ -666,13 +666,13 @@ mod tests {
         let members = JournalMembers::default();
         let before = members.epoch();
         assert!(!members.may_hold("a", before));
-        members.mark("a");
+        members.mark(&"a".into());
         assert!(members.may_hold("a", before));
         assert!(!members.may_hold("b", before));
 
         // A fold deleted "a"'s rows; "b" was written meanwhile. A reader
         // that noted the epoch before the narrowing looks for anyone.
-        members.narrow_to(["b"]);
+        members.narrow_to([&"b".into()]);
         assert!(members.may_hold("a", before));
         let after = members.epoch();
         assert_ne!(after, before);
@@ -693,7 +693,7 @@ mod tests {
             RunTable::Journal
         );
 
-        fill.added("a", 1, 200, now);
+        fill.added(&"a".into(), 1, 200, now);
         assert_eq!(fill.table_for("a", 100), RunTable::Journal);
         assert_eq!(fill.table_for("b", 100), RunTable::Runs);
         assert!(!fill.is_due(now + FOLD_AFTER / 2));
@@ -711,7 +711,7 @@ mod tests {
         assert!(fill.is_due(later + FOLD_AFTER));
 
         fill.fold_started();
-        fill.added("b", 1, 200, later);
+        fill.added(&"b".into(), 1, 200, later);
         fill.fold_finished();
         assert_eq!(fill.table_for("a", 100), RunTable::Runs);
         assert_eq!(fill.table_for("b", 100), RunTable::Journal);
@@ -719,15 +719,15 @@ mod tests {
         // A full journal is due at once, by its events or by their bytes;
         // a deleted conversation has no rows left.
         assert!(!fill.is_behind());
-        fill.added("b", FOLD_EVENTS, FOLD_EVENTS * 200, later);
+        fill.added(&"b".into(), FOLD_EVENTS, FOLD_EVENTS * 200, later);
         assert!(fill.is_due(later));
         // The same fill tells a fold in progress that it is behind: it
         // no longer rests between its steps.
         assert!(fill.is_behind());
         fill.fold_started();
-        fill.added("b", 8, FOLD_BYTES - 1, later);
+        fill.added(&"b".into(), 8, FOLD_BYTES - 1, later);
         assert!(!fill.is_due(later));
-        fill.added("b", 1, 1, later);
+        fill.added(&"b".into(), 1, 1, later);
         assert!(fill.is_due(later));
         fill.forget("b");
         assert_eq!(fill.table_for("b", 100), RunTable::Runs);

@@ -56,7 +56,7 @@ pub(super) struct Known {
 
 /// How one conversation stands after a committed group.
 pub(super) struct Settled<'g> {
-    pub(super) id: &'g str,
+    pub(super) id: &'g Arc<str>,
     pub(super) head: u64,
     /// `None`: the fields are the remembered ones, unchanged.
     pub(super) fields: Option<RowFields>,
@@ -64,7 +64,9 @@ pub(super) struct Settled<'g> {
 
 #[derive(Default)]
 pub(super) struct KnownRows {
-    rows: HashMap<Box<str>, Known>,
+    /// Keyed by the appends' own ids: a lookup with the same id compares
+    /// bytes it has just hashed, not a copy elsewhere in memory.
+    rows: HashMap<Arc<str>, Known>,
 }
 
 impl KnownRows {
@@ -83,7 +85,7 @@ impl KnownRows {
             self.rows.remove(id);
         }
         for Settled { id, head, fields } in settled {
-            match (self.rows.get_mut(id), fields) {
+            match (self.rows.get_mut(&**id), fields) {
                 (Some(known), None) => known.head = head,
                 (Some(known), Some(fields)) => {
                     known.head = head;
@@ -93,7 +95,7 @@ impl KnownRows {
                     if self.rows.len() >= KNOWN_MAX {
                         self.rows.clear();
                     }
-                    self.rows.insert(id.into(), Known { head, fields });
+                    self.rows.insert(Arc::clone(id), Known { head, fields });
                 }
                 // Unchanged fields come from a remembered entry, so this
                 // does not happen; forgetting is always safe.
@@ -115,32 +117,37 @@ mod tests {
         }
     }
 
-    fn settled(id: &str, head: u64, fields: Option<RowFields>) -> Settled<'_> {
+    fn settled(id: &Arc<str>, head: u64, fields: Option<RowFields>) -> Settled<'_> {
         Settled { id, head, fields }
     }
 
     #[test]
     fn a_commit_moves_the_head_and_keeps_fields_it_did_not_change() {
         let mut known = KnownRows::default();
-        known.settle([], [settled("c1", 3, Some(fields("running")))]);
-        known.settle([], [settled("c1", 9, None)]);
-        let c1 = known.get("c1").expect("remembered");
-        assert_eq!((c1.head, &c1.fields), (9, &fields("running")));
-        known.settle([], [settled("c1", 10, Some(fields("idle")))]);
+        let c1: Arc<str> = Arc::from("c1");
+        known.settle([], [settled(&c1, 3, Some(fields("running")))]);
+        known.settle([], [settled(&c1, 9, None)]);
+        let remembered = known.get("c1").expect("remembered");
+        assert_eq!(
+            (remembered.head, &remembered.fields),
+            (9, &fields("running"))
+        );
+        known.settle([], [settled(&c1, 10, Some(fields("idle")))]);
         assert_eq!(known.get("c1").map(|k| &k.fields), Some(&fields("idle")));
     }
 
     #[test]
     fn a_deleted_conversation_is_forgotten_unless_the_group_created_it_again() {
         let mut known = KnownRows::default();
+        let (c1, c2): (Arc<str>, Arc<str>) = (Arc::from("c1"), Arc::from("c2"));
         known.settle(
             [],
             [
-                settled("c1", 3, Some(fields("idle"))),
-                settled("c2", 5, Some(fields("idle"))),
+                settled(&c1, 3, Some(fields("idle"))),
+                settled(&c2, 5, Some(fields("idle"))),
             ],
         );
-        known.settle(["c1", "c2"], [settled("c2", 1, Some(fields("running")))]);
+        known.settle(["c1", "c2"], [settled(&c2, 1, Some(fields("running")))]);
         assert!(known.get("c1").is_none());
         assert_eq!(known.get("c2").map(|k| k.head), Some(1));
     }
@@ -148,7 +155,9 @@ mod tests {
     #[test]
     fn the_memory_is_bounded() {
         let mut known = KnownRows::default();
-        let ids: Vec<String> = (0..KNOWN_MAX + 1).map(|i| format!("c{i}")).collect();
+        let ids: Vec<Arc<str>> = (0..KNOWN_MAX + 1)
+            .map(|i| Arc::from(format!("c{i}")))
+            .collect();
         for id in &ids {
             known.settle([], [settled(id, 1, Some(fields("idle")))]);
             assert!(known.rows.len() <= KNOWN_MAX);

@@ -1616,11 +1616,12 @@ fn each_conversation_reads_only_its_own_runs_from_a_shared_journal_row() {
     let known = KnownRows::default();
     let mut fill = JournalFill::default();
     for id in ids {
-        fill.added(id, 1, 200, std::time::Instant::now());
+        fill.added(&id.into(), 1, 200, std::time::Instant::now());
     }
+    let (c_1, c_10): (Arc<str>, Arc<str>) = ("c_1".into(), "c_10".into());
     let mut touched = Touched::new(&known, &fill, 1);
-    assert_eq!(touched.head(&conn, "c_1").unwrap(), 4);
-    assert_eq!(touched.head(&conn, "c_10").unwrap(), 6);
+    assert_eq!(touched.head(&conn, &c_1).unwrap(), 4);
+    assert_eq!(touched.head(&conn, &c_10).unwrap(), 6);
 }
 
 #[test]
@@ -1637,7 +1638,7 @@ fn a_read_skips_the_journal_only_when_its_snapshot_cannot_hold_the_conversation(
     .unwrap();
     // The writer's order: mark, then commit the journal rows.
     let members = JournalMembers::default();
-    members.mark("c_1");
+    members.mark(&"c_1".into());
     put_run(&conn, runs::RunTable::Journal, "c_1", 1, 3);
     let (tx, journal) = journal::begin_read(&mut reader, &members, "c_1").unwrap();
     assert!(journal);

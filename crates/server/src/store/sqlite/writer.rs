@@ -470,7 +470,7 @@ impl Writer {
         }
         self.known.settle(deleted, settled);
         let now = Instant::now();
-        for (id, events, bytes) in journaled {
+        for Journaled { id, events, bytes } in journaled {
             self.journal.added(id, events, bytes, now);
         }
         Ok(true)
@@ -578,11 +578,19 @@ pub(super) fn isolated<T>(
 /// field only the row records changed (the head and the last activity the
 /// runs carry, see [`META_SELECT`]).
 pub(super) struct Touched<'g, 'k> {
-    pub(super) rows: HashMap<&'g str, TouchedRow<'g, 'k>>,
+    pub(super) rows: HashMap<&'g Arc<str>, TouchedRow<'g, 'k>>,
     /// Conversations the group deleted.
     pub(super) deleted: Vec<&'g str>,
     known: &'k KnownRows,
     journal: &'k JournalFill,
+}
+
+/// A conversation's events a group wrote into the journal: how many, and
+/// their encoded bytes.
+pub(super) struct Journaled<'g> {
+    id: &'g Arc<str>,
+    events: usize,
+    bytes: usize,
 }
 
 pub(super) struct TouchedRow<'g, 'k> {
@@ -622,7 +630,7 @@ impl<'g, 'k> Touched<'g, 'k> {
     /// The head stored for `id` as of this point of the transaction: what
     /// the writer remembers, or else read from the row (and its newest
     /// run) on the first touch.
-    pub(super) fn head(&mut self, conn: &Connection, id: &'g str) -> Result<u64, StoreError> {
+    pub(super) fn head(&mut self, conn: &Connection, id: &'g Arc<str>) -> Result<u64, StoreError> {
         if let Some(row) = self.rows.get(id) {
             return Ok(row.head);
         }
@@ -669,7 +677,7 @@ impl<'g, 'k> Touched<'g, 'k> {
         journal: &JournalFill,
         members: &JournalMembers,
         journal_row: &mut JournalRow,
-    ) -> Result<Vec<(&'g str, usize, usize)>, StoreError> {
+    ) -> Result<Vec<Journaled<'g>>, StoreError> {
         journal_row.clear();
         let mut journaled = Vec::new();
         for (id, row) in &self.rows {
@@ -691,7 +699,11 @@ impl<'g, 'k> Touched<'g, 'k> {
             }
             if table == RunTable::Journal && !row.events.is_empty() {
                 let bytes = journal_row.event_bytes() - bytes_before;
-                journaled.push((*id, row.events.len(), bytes));
+                journaled.push(Journaled {
+                    id,
+                    events: row.events.len(),
+                    bytes,
+                });
             }
             if let Some(batch) = row.row_update() {
                 let state = &batch.state;
@@ -758,7 +770,8 @@ pub(super) fn apply<'a>(
         Command::Append { batch, .. } => append(conn, batch, touched).map(|()| Done::Unit),
         Command::Delete { id, .. } => {
             let existed = delete(conn, id)?;
-            touched.rows.remove(id.as_str());
+            // Keyed by the appends' ids; a delete is rare enough to look.
+            touched.rows.retain(|touched_id, _| ***touched_id != **id);
             touched.deleted.push(id);
             Ok(Done::Existed(existed))
         }
@@ -785,7 +798,7 @@ pub(super) fn append<'a>(
     batch: &'a AppendBatch,
     touched: &mut Touched<'a, '_>,
 ) -> Result<(), StoreError> {
-    let id: &str = &batch.conversation_id;
+    let id = &batch.conversation_id;
     let state = &batch.state;
     let base = check_contiguous(batch)?;
     match &batch.create {
