@@ -65,7 +65,9 @@ pub(super) struct Settled<'g> {
 #[derive(Default)]
 pub(super) struct KnownRows {
     /// Keyed by the appends' own ids: a lookup with the same id compares
-    /// bytes it has just hashed, not a copy elsewhere in memory.
+    /// bytes it has just hashed, not a copy elsewhere in memory. A
+    /// conversation activated again brings another id of the same text;
+    /// the first one stays the key, which costs only that saving.
     rows: HashMap<Arc<str>, Known>,
 }
 
