@@ -98,6 +98,21 @@ fn queue_token(store: &SqliteStore, seq: u64, done: CommitCallback) {
     );
 }
 
+/// Callbacks that report their commit's outcome under a name, in the order
+/// they run.
+type NamedOutcomes = tokio::sync::mpsc::UnboundedReceiver<(&'static str, Result<(), StoreError>)>;
+
+fn named_callbacks() -> (impl Fn(&'static str) -> CommitCallback, NamedOutcomes) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let named = move |name: &'static str| -> CommitCallback {
+        let tx = tx.clone();
+        Box::new(move |r, _| {
+            let _ = tx.send((name, r));
+        })
+    };
+    (named, rx)
+}
+
 /// Appends and waits for the callback.
 async fn append(store: &SqliteStore, batch: AppendBatch) -> Result<(), StoreError> {
     let (tx, rx) = oneshot::channel();
@@ -317,13 +332,7 @@ async fn a_bad_append_fails_alone() {
     let store = SqliteStore::open(dir.path()).unwrap();
     append(&store, create_batch("c_1", "alice")).await.unwrap();
     let gate_tx = hold_writer(&store);
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let cb = |name: &'static str| -> CommitCallback {
-        let tx = tx.clone();
-        Box::new(move |r, _| {
-            let _ = tx.send((name, r));
-        })
-    };
+    let (cb, mut rx) = named_callbacks();
     // All of these land in one group.
     store.append(
         events_batch("c_1", vec![delta("c_1", 2, "a")], state(Status::Running, 2)),
@@ -1189,6 +1198,48 @@ async fn runs_read_back_from_any_seq_and_the_row_is_written_on_change_only() {
         })
         .unwrap();
     assert_eq!((row_head, status.as_str()), (head + 1, "running"));
+}
+
+/// A conversation appended to, deleted and created again within one
+/// group: the new one starts from nothing, not from the head the group
+/// had for the old one.
+#[tokio::test]
+async fn a_conversation_deleted_and_created_again_in_one_group_starts_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    append(&store, create_batch("c_1", "alice")).await.unwrap();
+    let gate = hold_writer(&store);
+    let (answer, mut rx) = named_callbacks();
+    let old = (2..=3).map(|seq| delta("c_1", seq, "old ")).collect();
+    store.append(
+        events_batch("c_1", old, state(Status::Running, 3)),
+        answer("old"),
+    );
+    let (reply, deleted) = oneshot::channel();
+    store.send(Command::Delete {
+        id: "c_1".into(),
+        reply,
+    });
+    store.append(create_batch("c_1", "bob"), answer("created"));
+    store.append(
+        events_batch(
+            "c_1",
+            vec![delta("c_1", 2, "new")],
+            state(Status::Running, 2),
+        ),
+        answer("new"),
+    );
+    gate.send(()).unwrap();
+    for expected in ["old", "created", "new"] {
+        let (name, result) = rx.recv().await.unwrap();
+        assert_eq!(name, expected);
+        result.unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    assert!(deleted.await.unwrap().unwrap());
+    let meta = store.get("c_1").await.unwrap().unwrap();
+    assert_eq!((meta.user.as_str(), meta.head_seq), ("bob", 2));
+    let events = store.events("c_1", 0, 10).await.unwrap();
+    assert_eq!(seqs(&events), [1, 2]);
 }
 
 #[tokio::test]

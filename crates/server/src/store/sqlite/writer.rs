@@ -770,8 +770,11 @@ pub(super) fn apply<'a>(
         Command::Append { batch, .. } => append(conn, batch, touched).map(|()| Done::Unit),
         Command::Delete { id, .. } => {
             let existed = delete(conn, id)?;
-            // Keyed by the appends' ids; a delete is rare enough to look.
-            touched.rows.retain(|touched_id, _| ***touched_id != **id);
+            // Keyed by the appends' ids, which a delete does not have: it
+            // is rare enough to look through the group's few.
+            touched
+                .rows
+                .retain(|touched_id, _| touched_id.as_ref() != id.as_str());
             touched.deleted.push(id);
             Ok(Done::Existed(existed))
         }
