@@ -132,8 +132,8 @@ pub(super) struct Writer {
 }
 
 /// How long the writer waits with nothing to do, after it wrote, before
-/// the process's heaps give their free pages back
-/// ([`crate::heap::release_freed`]). Every event passes through here, so
+/// it frees its page cache and the process's heaps give their free pages
+/// back ([`crate::heap::release_freed`]). Every event passes through here, so
 /// a quiet writer is a quiet server: what the traffic freed (evicted
 /// events, sockets' buffers, a fold's working set, which this thread
 /// allocates among the rows its caches keep) otherwise stays resident,
@@ -194,6 +194,7 @@ impl Writer {
                             Err(RecvTimeoutError::Timeout) => {
                                 self.wrote_since_release = false;
                                 let started = Instant::now();
+                                connections::release_page_cache(&self.conn);
                                 let released = crate::heap::release_freed();
                                 tracing::debug!(
                                     released,
