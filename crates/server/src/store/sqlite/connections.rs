@@ -1,6 +1,6 @@
 //! Opening the database: the write connection (WAL, the pragmas, the
-//! tables created or migrated; its page cache freed when the writer is
-//! quiet), and the pool of read-only connections reads run on.
+//! tables created or migrated), and the pool of read-only connections
+//! reads run on; and freeing their page caches when the writer is quiet.
 
 use super::*;
 
@@ -32,7 +32,7 @@ pub(super) fn open_writer(path: &Path) -> Result<Connection, StoreError> {
 /// `cache_size`). The writer calls it when it has gone quiet, before the
 /// heaps give their free pages back: an idle server otherwise kept the
 /// pages its last writes touched, about 0.7 KiB per conversation after
-/// 10,000 were created (BENCHMARKS.md, item 34). The next commit reads
+/// 10,000 were created (BENCHMARKS.md, item 34). The next statement reads
 /// what it needs again from the operating system's cache of the file.
 pub(super) fn release_page_cache(conn: &Connection) {
     if let Err(e) = conn.release_memory() {
@@ -56,17 +56,35 @@ pub(super) struct Readers {
 }
 
 impl Readers {
+    /// Frees the page caches of the read connections waiting in the pool
+    /// (up to [`MAX_IDLE_READERS`] of them, up to SQLite's default 2 MB
+    /// each): called with the writer's, when the store has gone quiet.
+    /// Reads under way keep theirs until they are back.
+    pub(super) fn release_idle_page_caches(&self) {
+        for conn in self.lock_idle().iter() {
+            release_page_cache(conn);
+        }
+    }
+
+    /// The pool holds whole connections only: a panic elsewhere while it
+    /// was locked leaves it usable.
+    fn lock_idle(&self) -> std::sync::MutexGuard<'_, Vec<Connection>> {
+        self.idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     pub(super) fn with<T>(
         &self,
         f: impl FnOnce(&mut Connection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let idle = self.idle.lock().expect("reader pool poisoned").pop();
+        let idle = self.lock_idle().pop();
         let mut conn = match idle {
             Some(conn) => conn,
             None => open_reader(&self.path)?,
         };
         let result = f(&mut conn);
-        let mut idle = self.idle.lock().expect("reader pool poisoned");
+        let mut idle = self.lock_idle();
         if idle.len() < MAX_IDLE_READERS {
             idle.push(conn);
         }
@@ -96,10 +114,9 @@ mod tests {
         current
     }
 
-    #[test]
-    fn the_writer_frees_its_page_cache_when_asked() {
-        let dir = tempfile::tempdir().unwrap();
-        let conn = open_writer(&dir.path().join("linger.db")).unwrap();
+    /// A store whose `filler` table holds about 2 MB.
+    fn filled_store(path: &Path) -> Connection {
+        let conn = open_writer(path).unwrap();
         conn.execute_batch("CREATE TABLE filler (body BLOB)")
             .unwrap();
         let mut insert = conn.prepare("INSERT INTO filler VALUES (?1)").unwrap();
@@ -107,6 +124,19 @@ mod tests {
             insert.execute([vec![7u8; 1_000]]).unwrap();
         }
         drop(insert);
+        conn
+    }
+
+    /// Reads every row of `filler` whole.
+    fn count_filler(conn: &Connection) -> i64 {
+        let sql = "SELECT count(*) FROM filler WHERE length(body) > 0";
+        conn.query_row(sql, [], |row| row.get(0)).unwrap()
+    }
+
+    #[test]
+    fn the_writer_frees_its_page_cache_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = filled_store(&dir.path().join("linger.db"));
         let filled = cache_used(&conn);
         assert!(filled > 1_000_000, "2 MB written, {filled} bytes cached");
 
@@ -117,9 +147,30 @@ mod tests {
             "{left} of {filled} bytes still cached after the release"
         );
         // Still usable: what it needs is read back.
-        let rows: i64 = conn
-            .query_row("SELECT count(*) FROM filler", [], |row| row.get(0))
-            .unwrap();
+        assert_eq!(count_filler(&conn), 2_000);
+    }
+
+    #[test]
+    fn the_idle_readers_free_their_page_caches_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("linger.db");
+        let _writer = filled_store(&path);
+        let readers = Readers {
+            path,
+            idle: Mutex::new(Vec::new()),
+        };
+        let rows = readers.with(|conn| Ok(count_filler(conn))).unwrap();
         assert_eq!(rows, 2_000);
+        let filled = cache_used(&readers.lock_idle()[0]);
+        assert!(filled > 1_000_000, "2 MB read, {filled} bytes cached");
+
+        readers.release_idle_page_caches();
+        let left = cache_used(&readers.lock_idle()[0]);
+        assert!(
+            left < filled / 20,
+            "{left} of {filled} bytes still cached after the release"
+        );
+        let rows = readers.with(|conn| Ok(count_filler(conn))).unwrap();
+        assert_eq!(rows, 2_000, "and the reader reads again");
     }
 }

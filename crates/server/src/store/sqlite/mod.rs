@@ -179,8 +179,13 @@ impl SqliteStore {
         let health = Arc::new(StoreHealth::default());
         // The journal was folded above: nobody has rows in it.
         let members = Arc::new(JournalMembers::default());
+        let readers = Arc::new(Readers {
+            path: path.clone(),
+            idle: Mutex::new(Vec::new()),
+        });
         let writer = Writer {
             health: health.clone(),
+            readers: readers.clone(),
             conn,
             rx,
             commits: commits.clone(),
@@ -202,10 +207,7 @@ impl SqliteStore {
             tx,
             health,
             _stop_checkpointer: stop_checkpointer,
-            readers: Arc::new(Readers {
-                path: path.clone(),
-                idle: Mutex::new(Vec::new()),
-            }),
+            readers,
             commits,
             members,
             path,
