@@ -1,6 +1,7 @@
 //! Opening the database: the write connection (WAL, the pragmas, the
 //! tables created or migrated), and the pool of read-only connections
-//! reads run on; and freeing their page caches when the writer is quiet.
+//! reads run on, at most [`MAX_READS_AT_ONCE`] at a time; and freeing the
+//! page cache they share when the writer is quiet.
 
 use super::*;
 
@@ -28,12 +29,15 @@ pub(super) fn open_writer(path: &Path) -> Result<Connection, StoreError> {
     Ok(conn)
 }
 
-/// Frees the pages SQLite's cache holds for `conn` (up to its
-/// `cache_size`). The writer calls it when it has gone quiet, before the
-/// heaps give their free pages back: an idle server otherwise kept the
-/// pages its last writes touched, about 0.7 KiB per conversation after
-/// 10,000 were created (BENCHMARKS.md, item 34). The next statement reads
-/// what it needs again from the operating system's cache of the file.
+/// Frees the pages SQLite's cache holds that no statement is using. The
+/// bundled SQLite is built with `SQLITE_ENABLE_MEMORY_MANAGEMENT`, so its
+/// connections share one page cache (each adds its `cache_size` to it) and
+/// this frees the read connections' pages as well as `conn`'s. The writer
+/// calls it when it has gone quiet, before the heaps give their free pages
+/// back: an idle server otherwise kept the pages its last writes touched,
+/// about 0.7 KiB per conversation after 10,000 were created
+/// (BENCHMARKS.md, item 34). The next statement reads what it needs again
+/// from the operating system's cache of the file.
 pub(super) fn release_page_cache(conn: &Connection) {
     if let Err(e) = conn.release_memory() {
         tracing::warn!(error = %e, "store: freeing the page cache failed");
@@ -51,19 +55,44 @@ pub(super) fn open_reader(path: &Path) -> Result<Connection, StoreError> {
 }
 
 pub(super) struct Readers {
-    pub(super) path: PathBuf,
-    pub(super) idle: Mutex<Vec<Connection>>,
+    path: PathBuf,
+    idle: Mutex<Vec<Connection>>,
+    /// One per read under way (see [`MAX_READS_AT_ONCE`]).
+    permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl Readers {
-    /// Frees the page caches of the read connections waiting in the pool
-    /// (up to [`MAX_IDLE_READERS`] of them, up to SQLite's default 2 MB
-    /// each): called with the writer's, when the store has gone quiet.
-    /// Reads under way keep theirs until they are back.
-    pub(super) fn release_idle_page_caches(&self) {
-        for conn in self.lock_idle().iter() {
-            release_page_cache(conn);
+    pub(super) fn new(path: PathBuf) -> Readers {
+        Readers {
+            path,
+            idle: Mutex::new(Vec::new()),
+            permits: Arc::new(tokio::sync::Semaphore::new(MAX_READS_AT_ONCE)),
         }
+    }
+
+    /// Runs `f` on a read connection on the runtime's blocking threads,
+    /// once fewer than [`MAX_READS_AT_ONCE`] reads are under way. The
+    /// permit goes with the read, so a caller that stops waiting does not
+    /// let another read start before this one ends.
+    pub(super) async fn read<T, F>(self: &Arc<Self>, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+    {
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| StoreError::Closed)?;
+        let readers = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let result = readers.with(f);
+            drop(permit);
+            result
+        })
+        .await
+        .map_err(|e| StoreError::Backend(format!("read task: {e}")))?
     }
 
     /// The pool holds whole connections only: a panic elsewhere while it
@@ -74,7 +103,7 @@ impl Readers {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(super) fn with<T>(
+    fn with<T>(
         &self,
         f: impl FnOnce(&mut Connection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
@@ -133,44 +162,99 @@ mod tests {
         conn.query_row(sql, [], |row| row.get(0)).unwrap()
     }
 
-    #[test]
-    fn the_writer_frees_its_page_cache_when_asked() {
-        let dir = tempfile::tempdir().unwrap();
-        let conn = filled_store(&dir.path().join("linger.db"));
-        let filled = cache_used(&conn);
-        assert!(filled > 1_000_000, "2 MB written, {filled} bytes cached");
-
-        release_page_cache(&conn);
-        let left = cache_used(&conn);
-        assert!(
-            left < filled / 20,
-            "{left} of {filled} bytes still cached after the release"
-        );
-        // Still usable: what it needs is read back.
-        assert_eq!(count_filler(&conn), 2_000);
+    /// Reads `filler` on `conn` until its cache holds the table: the cache
+    /// is shared by the process, and the other tests' stores free it when
+    /// they go quiet, which may come between a read and its count.
+    fn cached_after_reading(conn: &Connection) -> i32 {
+        for _ in 0..20 {
+            assert_eq!(count_filler(conn), 2_000);
+            let cached = cache_used(conn);
+            if cached > 1_000_000 {
+                return cached;
+            }
+        }
+        panic!("2 MB read, {} bytes cached", cache_used(conn));
     }
 
     #[test]
-    fn the_idle_readers_free_their_page_caches_when_asked() {
+    fn freeing_the_writers_page_cache_frees_the_readers_too() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("linger.db");
-        let _writer = filled_store(&path);
-        let readers = Readers {
-            path,
-            idle: Mutex::new(Vec::new()),
-        };
-        let rows = readers.with(|conn| Ok(count_filler(conn))).unwrap();
-        assert_eq!(rows, 2_000);
-        let filled = cache_used(&readers.lock_idle()[0]);
-        assert!(filled > 1_000_000, "2 MB read, {filled} bytes cached");
+        let writer = filled_store(&path);
+        let reader = open_reader(&path).unwrap();
+        let (writer_filled, reader_filled) = (0..20)
+            .find_map(|_| {
+                let writer_filled = cached_after_reading(&writer);
+                let reader_filled = cached_after_reading(&reader);
+                // Read last, the writer's may have been freed meanwhile.
+                (cache_used(&writer) > 1_000_000).then_some((writer_filled, reader_filled))
+            })
+            .expect("the writer's and the reader's caches filled at once");
 
-        readers.release_idle_page_caches();
-        let left = cache_used(&readers.lock_idle()[0]);
+        release_page_cache(&writer);
+        let (writer_left, reader_left) = (cache_used(&writer), cache_used(&reader));
         assert!(
-            left < filled / 20,
-            "{left} of {filled} bytes still cached after the release"
+            writer_left < writer_filled / 20 && reader_left < reader_filled / 20,
+            "still cached after the release: the writer {writer_left} of {writer_filled} \
+             bytes, the reader {reader_left} of {reader_filled}"
         );
-        let rows = readers.with(|conn| Ok(count_filler(conn))).unwrap();
-        assert_eq!(rows, 2_000, "and the reader reads again");
+        // Both still read: what they need is read back.
+        assert_eq!(count_filler(&writer), 2_000);
+        assert_eq!(count_filler(&reader), 2_000);
+    }
+
+    #[tokio::test]
+    async fn no_more_reads_run_at_once_than_the_bound() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        const READS: usize = 5 * MAX_READS_AT_ONCE;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("linger.db");
+        let _writer = open_writer(&path).unwrap();
+        let readers = Arc::new(Readers::new(path));
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel();
+        // Each read holds its connection until the test lets one go.
+        let (go_tx, go) = std::sync::mpsc::channel::<()>();
+        let go = Arc::new(Mutex::new(go));
+        let mut reads = Vec::new();
+        for _ in 0..READS {
+            let (readers, in_flight, most) = (readers.clone(), in_flight.clone(), most.clone());
+            let (entered_tx, go) = (entered_tx.clone(), go.clone());
+            reads.push(tokio::spawn(async move {
+                readers
+                    .read(move |conn| {
+                        let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                        let one: i64 = conn.query_row("SELECT 1", [], |row| row.get(0))?;
+                        entered_tx.send(()).unwrap();
+                        go.lock().unwrap().recv().unwrap();
+                        in_flight.fetch_sub(1, Ordering::SeqCst);
+                        Ok(one)
+                    })
+                    .await
+            }));
+        }
+        // The first reads fill the bound; then each read let go lets the
+        // next one in, until every read has run.
+        for _ in 0..MAX_READS_AT_ONCE {
+            entered.recv().await.unwrap();
+        }
+        for _ in MAX_READS_AT_ONCE..READS {
+            go_tx.send(()).unwrap();
+            entered.recv().await.unwrap();
+        }
+        for _ in 0..MAX_READS_AT_ONCE {
+            go_tx.send(()).unwrap();
+        }
+        for read in reads {
+            assert_eq!(read.await.unwrap().unwrap(), 1);
+        }
+        assert_eq!(most.load(Ordering::SeqCst), MAX_READS_AT_ONCE);
+        assert!(
+            readers.lock_idle().len() <= MAX_IDLE_READERS,
+            "the pool keeps at most {MAX_IDLE_READERS} connections"
+        );
     }
 }

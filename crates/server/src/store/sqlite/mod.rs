@@ -16,7 +16,8 @@
 //!   database file, so that the copy and its fsyncs do not hold appends back
 //!   (SQLite would otherwise do it inside a commit, every 4 MB of WAL).
 //! - **a small pool of read-only connections** used from
-//!   `spawn_blocking`. WAL lets them read while the writer commits, and each
+//!   `spawn_blocking`, at most `MAX_READS_AT_ONCE` reads at a time. WAL
+//!   lets them read while the writer commits, and each
 //!   read starts a fresh snapshot, so it sees every commit whose callback has
 //!   fired.
 //!
@@ -95,8 +96,18 @@ const MAX_GROUP: usize = 4096;
 /// transaction that would hold every append back.
 const PRUNE_CHUNK: i64 = 256;
 
-/// Idle read connections kept for reuse; more may be open while busy.
+/// Idle read connections kept for reuse; up to [`MAX_READS_AT_ONCE`] may
+/// be open while busy.
 const MAX_IDLE_READERS: usize = 4;
+
+/// Reads that run at once, each on a connection of its own; the others
+/// wait their turn. Without a bound a burst of reads (clients resuming
+/// from further back than the buffers hold, activations) opened a
+/// connection per read, each with its file handles and a page cache of
+/// up to 2 MB, up to the runtime's 512 blocking threads. Reads take
+/// milliseconds and WAL lets them run beside the writer, so a few at a
+/// time keep the cores busy.
+const MAX_READS_AT_ONCE: usize = 8;
 
 /// How often the checkpointer copies the WAL into the database file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
@@ -179,13 +190,8 @@ impl SqliteStore {
         let health = Arc::new(StoreHealth::default());
         // The journal was folded above: nobody has rows in it.
         let members = Arc::new(JournalMembers::default());
-        let readers = Arc::new(Readers {
-            path: path.clone(),
-            idle: Mutex::new(Vec::new()),
-        });
         let writer = Writer {
             health: health.clone(),
-            readers: readers.clone(),
             conn,
             rx,
             commits: commits.clone(),
@@ -207,7 +213,7 @@ impl SqliteStore {
             tx,
             health,
             _stop_checkpointer: stop_checkpointer,
-            readers,
+            readers: Arc::new(Readers::new(path.clone())),
             commits,
             members,
             path,
@@ -248,10 +254,7 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        let readers = self.readers.clone();
-        tokio::task::spawn_blocking(move || readers.with(f))
-            .await
-            .map_err(|e| StoreError::Backend(format!("read task: {e}")))?
+        self.readers.read(f).await
     }
 }
 

@@ -106,9 +106,6 @@ pub(super) struct Writer {
     pub(super) busy_groups: u32,
     /// Whether writes work, from every transaction's outcome.
     pub(super) health: Arc<StoreHealth>,
-    /// The read connections: their page caches are freed with this
-    /// connection's when the writer goes quiet.
-    pub(super) readers: Arc<Readers>,
     /// The heads and row fields of the conversations written lately.
     pub(super) known: KnownRows,
     /// How much the journal holds, and since when.
@@ -135,7 +132,7 @@ pub(super) struct Writer {
 }
 
 /// How long the writer waits with nothing to do, after it wrote, before
-/// it frees its page cache (and the idle read connections') and the
+/// it frees SQLite's page cache (the readers' pages too) and the
 /// process's heaps give their free pages back
 /// ([`crate::heap::release_freed`]). Every event passes through here, so
 /// a quiet writer is a quiet server: what the traffic freed (evicted
@@ -199,7 +196,6 @@ impl Writer {
                                 self.wrote_since_release = false;
                                 let started = Instant::now();
                                 connections::release_page_cache(&self.conn);
-                                self.readers.release_idle_page_caches();
                                 let released = crate::heap::release_freed();
                                 tracing::debug!(
                                     released,
