@@ -384,16 +384,16 @@ fn conversation_id(i: usize) -> Arc<str> {
     Arc::from(format!("c_01JBENCH{i:017}"))
 }
 
-fn delta(id: &str, seq: u64) -> EventRecord {
+fn delta(id: &str, seq: u64) -> Arc<EventRecord> {
     // {"turn_id":"t_01JBENCH0000000001","text":"tok123456 and more "}: ~60 bytes.
     let data = EventData::TextDelta {
         turn_id: "t_01JBENCH0000000001".into(),
         text: format!("tok{seq:06} and more "),
     };
-    EventRecord::new(id, seq, &data)
+    Arc::new(EventRecord::new(id, seq, &data))
 }
 
-fn batch(id: &Arc<str>, ev: EventRecord) -> AppendBatch {
+fn batch(id: &Arc<str>, ev: Arc<EventRecord>) -> AppendBatch {
     AppendBatch {
         conversation_id: id.clone(),
         create: None,
@@ -449,7 +449,7 @@ async fn open_with(kind: Kind, conversations: usize) -> (tempfile::TempDir, Engi
                     current_turn_id: None,
                     last_turn_message_seq: 0,
                 },
-                events: vec![created, started],
+                events: vec![Arc::new(created), Arc::new(started)],
                 client_msg_ids: Vec::new(),
                 forget_client_msg_ids_before: 0,
             },

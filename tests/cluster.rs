@@ -32,16 +32,16 @@ async fn cluster(urls: Vec<String>, opts: ClusterOptions) -> Cluster {
         .unwrap_or_else(|e| panic!("connecting to NATS: {e}"))
 }
 
-fn events(conversation: &str, from: u64, n: u64, tag: &str) -> Vec<EventRecord> {
+fn events(conversation: &str, from: u64, n: u64, tag: &str) -> Vec<Arc<EventRecord>> {
     (from..from + n)
         .map(|seq| {
-            EventRecord::from_parts(
+            Arc::new(EventRecord::from_parts(
                 conversation,
                 seq,
                 "2026-01-01T00:00:00.000Z",
                 intern_kind("text_delta"),
                 &serde_json::json!({ "turn_id": "t", "text": format!("{tag}{seq}") }).to_string(),
-            )
+            ))
         })
         .collect()
 }
@@ -84,7 +84,7 @@ async fn a_stale_owner_is_fenced_and_the_new_owner_goes_on() {
     log.append(&mut b, &events("c_1", 4, 1, "b")).await.unwrap();
     log.append(&mut b, &events("c_1", 5, 2, "b")).await.unwrap();
     let all = log.read("c_1", 0, 100).await.unwrap();
-    let texts: Vec<String> = all.iter().map(text).collect();
+    let texts: Vec<String> = all.iter().map(|r| text(r)).collect();
     assert_eq!(texts, ["a1", "a2", "a3", "b4", "b5", "b6"]);
     // A stays out, whatever seq it tries.
     let mut a2 = a.clone();

@@ -306,7 +306,7 @@ impl Writer {
                 let entry = touched
                     .entry(&*batch.conversation_id)
                     .or_insert_with(|| (Vec::new(), &batch.state));
-                entry.0.extend(batch.events.iter());
+                entry.0.extend(batch.events.iter().map(|ev| &**ev));
                 entry.1 = &batch.state;
             }
             results.push(result);

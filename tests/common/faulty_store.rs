@@ -93,7 +93,7 @@ impl Store for FaultyStore {
         id: &str,
         after: u64,
         limit: usize,
-    ) -> Result<Vec<EventRecord>, StoreError> {
+    ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
         self.read()?;
         self.inner.events(id, after, limit).await
     }

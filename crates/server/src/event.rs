@@ -121,9 +121,7 @@ impl TurnStatus {
 
 /// One recorded event, serialized once. `frame` is the exact text frame every
 /// connection is sent; the event's `ts` and `data` (what the store keeps) are
-/// slices of it, so each event's JSON is held once. Held by value: a clone
-/// shares the frame (a reference count in `bytes`' header), so an event
-/// costs two allocations (its frame and that header) wherever it goes.
+/// slices of it, so each event's JSON is held once.
 #[derive(Debug, Clone)]
 pub struct EventRecord {
     pub seq: u64,
@@ -141,10 +139,11 @@ const fn allocated(size: usize) -> usize {
     (size + 8).next_multiple_of(16)
 }
 
-/// What a record's frame costs besides its bytes: the shared header
-/// `bytes` gives it once it is first cloned (a record is held by value,
-/// its clones sharing the frame; where it is kept counts its own size).
-const FRAME_OVERHEAD: usize = allocated(3 * size_of::<usize>());
+/// What a record costs besides its frame's bytes: the record in its `Arc`
+/// (two counters) and the shared header `bytes` gives the frame once it is
+/// cloned towards a connection.
+const RECORD_OVERHEAD: usize = allocated(2 * size_of::<usize>() + size_of::<EventRecord>())
+    + allocated(3 * size_of::<usize>());
 
 impl EventRecord {
     /// Builds the record of a new event, stamping it with the current time.
@@ -241,12 +240,11 @@ impl EventRecord {
             .unwrap_or_default()
     }
 
-    /// The heap memory this record holds while something keeps it: its
-    /// frame, the frame's shared header, and what the allocator adds to
-    /// each (a known kind is static, see [`Kind`]). The record itself is
-    /// counted by whatever holds it.
+    /// The memory this record holds while something keeps it: its frame,
+    /// the record in its `Arc`, and what the allocator adds to each (a
+    /// known kind is static, see [`Kind`]).
     pub fn held_bytes(&self) -> usize {
-        allocated(self.frame.len()) + FRAME_OVERHEAD
+        allocated(self.frame.len()) + RECORD_OVERHEAD
     }
 }
 
@@ -430,7 +428,7 @@ mod tests {
         let future = intern_kind("future_kind");
         assert!(matches!(&future, Kind::Other(name) if &**name == "future_kind"));
         assert_eq!(Kind::Other(Arc::from("tool_call")), back.kind);
-        assert!(rec.held_bytes() > rec.frame.len() + 3 * size_of::<usize>());
+        assert!(rec.held_bytes() > rec.frame.len() + size_of::<EventRecord>());
     }
 
     /// The text delta's own writer and the conversation id's give the

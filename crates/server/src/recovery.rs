@@ -53,7 +53,7 @@ pub fn close(
             StopReason::NodeLost => "the node running the turn was lost",
             _ => "the server stopped while the turn was running",
         };
-        events.push(EventRecord::new(
+        events.push(Arc::new(EventRecord::new(
             &meta.id,
             seq,
             &EventData::TurnFinished {
@@ -61,14 +61,14 @@ pub fn close(
                 status: TurnStatus::Interrupted,
                 error: Some(why.into()),
             },
-        ));
+        )));
     }
     seq += 1;
-    events.push(EventRecord::new(
+    events.push(Arc::new(EventRecord::new(
         &meta.id,
         seq,
         &EventData::AgentStopped { reason },
-    ));
+    )));
     let turn = interrupted_turn.as_deref().unwrap_or("");
     match reason {
         StopReason::NodeLost => info!(conversation = %meta.id, user = %meta.user,
@@ -124,7 +124,7 @@ pub async fn interrupted_turn(
 ) -> Result<Option<InterruptedTurn>, StoreError> {
     let id = snapshot.meta.id.as_str();
     let mut finished: Option<String> = None;
-    let mut page: Vec<EventRecord> = snapshot.tail.clone();
+    let mut page: Vec<Arc<EventRecord>> = snapshot.tail.clone();
     let mut first = page.first().map_or(snapshot.meta.head_seq + 1, |e| e.seq);
     loop {
         for event in page.iter().rev() {

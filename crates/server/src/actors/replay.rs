@@ -118,7 +118,7 @@ pub struct Replay {
     pub generation: u64,
     pub from: u64,
     pub to: u64,
-    pub from_buffer: Option<Vec<EventRecord>>,
+    pub from_buffer: Option<Vec<Arc<EventRecord>>>,
     /// Sent first, for the attach's own replay (later rounds have none).
     pub greeting: Option<Greeting>,
     /// A compact replay (the attach's own, never a later catch-up).

@@ -264,7 +264,7 @@ async fn reload(node: &Node, tweak: impl FnOnce(&mut Config)) {
     assert!(outcome.refused.is_empty(), "{outcome:?}");
 }
 
-fn has_event(events: &[crate::event::EventRecord], kind: &str) -> bool {
+fn has_event(events: &[Arc<crate::event::EventRecord>], kind: &str) -> bool {
     events.iter().any(|e| &*e.kind == kind)
 }
 

@@ -73,6 +73,8 @@
 //! the read goes on from where it stopped (from the leader when the
 //! replica has nothing more).
 
+use std::sync::Arc;
+
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::{RawMessageError, RawMessageErrorKind, Stream};
@@ -308,7 +310,7 @@ impl EventLog {
     pub async fn append(
         &self,
         fence: &mut Fence,
-        events: &[EventRecord],
+        events: &[Arc<EventRecord>],
     ) -> Result<(), ClusterError> {
         let subject = self.subject(&fence.conversation)?;
         for (i, e) in events.iter().enumerate() {
@@ -488,7 +490,7 @@ impl EventLog {
         conversation: &str,
         after: u64,
         limit: usize,
-    ) -> Result<Vec<EventRecord>, ClusterError> {
+    ) -> Result<Vec<Arc<EventRecord>>, ClusterError> {
         let subject = self.subject(conversation)?;
         let mut out = Vec::new();
         if limit == 0 {
@@ -513,7 +515,7 @@ impl EventLog {
             for g in &groups {
                 for record in decode(conversation, g)? {
                     if record.seq > after && out.len() < limit {
-                        out.push(record);
+                        out.push(Arc::new(record));
                     }
                 }
             }
@@ -674,7 +676,7 @@ struct Chunk {
 }
 
 /// Encodes events as JSON lines, split so that each message fits `max`.
-fn chunks(events: &[EventRecord], max: usize) -> Result<Vec<Chunk>, ClusterError> {
+fn chunks(events: &[Arc<EventRecord>], max: usize) -> Result<Vec<Chunk>, ClusterError> {
     let mut out = Vec::new();
     let mut buf = Vec::new();
     let mut count = 0u64;
@@ -779,14 +781,14 @@ fn decode(conversation: &str, g: &Group) -> Result<Vec<EventRecord>, ClusterErro
 mod tests {
     use super::*;
 
-    fn record(seq: u64, text: &str) -> EventRecord {
-        EventRecord::from_parts(
+    fn record(seq: u64, text: &str) -> Arc<EventRecord> {
+        Arc::new(EventRecord::from_parts(
             "c_1",
             seq,
             "2026-01-01T00:00:00.000Z",
             intern_kind("text_delta"),
             &serde_json::json!({ "turn_id": "t", "text": text }).to_string(),
-        )
+        ))
     }
 
     #[test]

@@ -213,7 +213,7 @@ fn merge(first: Job, rest: Vec<Job>) -> (AppendBatch, Vec<(CommitCallback, usize
 fn answer(
     callbacks: Vec<(CommitCallback, usize)>,
     result: &Result<(), StoreError>,
-    events: &[EventRecord],
+    events: &[Arc<EventRecord>],
     mut answered: impl FnMut(),
 ) {
     let mut rest = events;
@@ -495,7 +495,7 @@ impl Store for NatsStore {
         id: &str,
         after: u64,
         limit: usize,
-    ) -> Result<Vec<crate::event::EventRecord>, StoreError> {
+    ) -> Result<Vec<Arc<crate::event::EventRecord>>, StoreError> {
         Ok(self.log.read(id, after, limit).await?)
     }
 
@@ -576,14 +576,14 @@ mod tests {
         let events: Vec<_> = seqs
             .clone()
             .map(|seq| {
-                EventRecord::new(
+                Arc::new(EventRecord::new(
                     "c_1",
                     seq,
                     &EventData::TextDelta {
                         turn_id: "t_1".into(),
                         text: "x".into(),
                     },
-                )
+                ))
             })
             .collect();
         let batch = AppendBatch {

@@ -4,7 +4,7 @@
 //! real database's threads would let the clock run on its own.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -17,7 +17,7 @@ use crate::event::EventRecord;
 #[derive(Default)]
 struct Conversation {
     meta: Option<ConversationMeta>,
-    events: Vec<EventRecord>,
+    events: Vec<Arc<EventRecord>>,
     client_msg_ids: Vec<(String, u64)>,
 }
 
@@ -139,7 +139,7 @@ impl Store for MemoryStore {
         id: &str,
         after: u64,
         limit: usize,
-    ) -> Result<Vec<EventRecord>, StoreError> {
+    ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
         Ok(self.with(|map| {
             map.get(id)
                 .map(|c| {

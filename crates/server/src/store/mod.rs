@@ -76,7 +76,7 @@ pub struct NewConversation {
 pub struct AppendBatch {
     pub conversation_id: Arc<str>,
     pub create: Option<NewConversation>,
-    pub events: Vec<EventRecord>,
+    pub events: Vec<Arc<EventRecord>>,
     pub state: ConversationState,
     pub client_msg_ids: Vec<(String, u64)>,
     /// The `client_msg_id`s of messages before this seq left the
@@ -109,7 +109,7 @@ pub struct QueuedMessage {
 pub struct Snapshot {
     pub meta: ConversationMeta,
     /// The last events (at most the requested number), oldest first.
-    pub tail: Vec<EventRecord>,
+    pub tail: Vec<Arc<EventRecord>>,
     /// User messages recorded after the last turn started, oldest first.
     pub queued: Vec<QueuedMessage>,
     /// The newest `client_msg_id`s recorded (at most the number asked
@@ -122,7 +122,8 @@ pub struct Snapshot {
 /// store's other appends wait for it (callbacks run one after the other,
 /// in commit order), so it must only hand the result on (send a message,
 /// queue frames), never block.
-pub type CommitCallback = Box<dyn FnOnce(Result<(), StoreError>, &[EventRecord]) + Send + 'static>;
+pub type CommitCallback =
+    Box<dyn FnOnce(Result<(), StoreError>, &[Arc<EventRecord>]) + Send + 'static>;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -251,7 +252,7 @@ pub trait Store: Send + Sync + 'static {
         id: &str,
         after: u64,
         limit: usize,
-    ) -> Result<Vec<EventRecord>, StoreError>;
+    ) -> Result<Vec<Arc<EventRecord>>, StoreError>;
 
     /// Everything needed to reactivate a conversation, with the last
     /// `tail` events and the newest `client_msg_ids` ids.

@@ -103,7 +103,7 @@ impl Fanout {
 
     /// The store committed `events` (the write of `epoch` ending at `upto`):
     /// sends them if that write directly follows what was sent.
-    pub(super) fn on_commit(&self, epoch: u64, events: &[EventRecord], upto: u64) -> Commit {
+    pub(super) fn on_commit(&self, epoch: u64, events: &[Arc<EventRecord>], upto: u64) -> Commit {
         let mut live = self.lock();
         let follows = events.first().map(|e| e.seq) == Some(live.sent + 1);
         if live.closed || live.epoch != epoch || !follows {
@@ -117,7 +117,7 @@ impl Fanout {
 
     /// The actor sends a commit the commit path declined: the events not
     /// yet sent go to the live connections.
-    pub(super) fn send_now(&self, events: &[EventRecord], upto: u64) -> Vec<Dropped> {
+    pub(super) fn send_now(&self, events: &[Arc<EventRecord>], upto: u64) -> Vec<Dropped> {
         let mut live = self.lock();
         let from = live.sent;
         let unsent = events.iter().position(|e| e.seq > from);
@@ -179,7 +179,7 @@ impl Fanout {
 }
 
 impl Live {
-    fn send(&mut self, events: &[EventRecord], upto: u64) {
+    fn send(&mut self, events: &[Arc<EventRecord>], upto: u64) {
         let Live { conns, dropped, .. } = self;
         conns.retain(
             |(conn, outbound)| match send_events(*conn, outbound, events) {
@@ -199,7 +199,7 @@ impl Live {
 pub(super) fn send_events(
     conn: ConnId,
     outbound: &Outbound,
-    events: &[EventRecord],
+    events: &[Arc<EventRecord>],
 ) -> Option<Dropped> {
     events.iter().find_map(|event| {
         outbound
@@ -219,18 +219,18 @@ mod tests {
     use crate::actors::outbound::{self, OutboundReceiver};
     use crate::event::EventData;
 
-    fn record(seq: u64) -> EventRecord {
-        EventRecord::new(
+    fn record(seq: u64) -> Arc<EventRecord> {
+        Arc::new(EventRecord::new(
             "c_test",
             seq,
             &EventData::TextDelta {
                 turn_id: "t_1".into(),
                 text: format!("e{seq}"),
             },
-        )
+        ))
     }
 
-    fn records(seqs: std::ops::RangeInclusive<u64>) -> Vec<EventRecord> {
+    fn records(seqs: std::ops::RangeInclusive<u64>) -> Vec<Arc<EventRecord>> {
         seqs.map(record).collect()
     }
 

@@ -140,7 +140,7 @@ impl State {
     }
 
     /// Sends newly committed events to every live attachment (no fanout).
-    fn send_live(&mut self, myself: &ActorRef<ConversationMsg>, events: &[EventRecord]) {
+    fn send_live(&mut self, myself: &ActorRef<ConversationMsg>, events: &[Arc<EventRecord>]) {
         let dropped = self
             .attachments
             .iter()

@@ -34,7 +34,7 @@ pub(super) struct DeferredReply {
 #[derive(Debug)]
 pub(super) struct Write {
     /// In seq order, contiguous with what was handed to the store before.
-    pub events: Vec<EventRecord>,
+    pub events: Vec<Arc<EventRecord>>,
     /// The last seq of `events`.
     pub upto: u64,
     /// Agent credits the events hold, given back on the outcome.
@@ -51,7 +51,7 @@ pub(super) struct Write {
 #[derive(Debug, Default)]
 pub(super) struct Released {
     /// The events newly committed, in seq order.
-    pub events: Vec<EventRecord>,
+    pub events: Vec<Arc<EventRecord>>,
     /// The replies whose seq is now committed, in the order they came.
     pub replies: Vec<DeferredReply>,
 }
@@ -69,7 +69,7 @@ pub(super) struct Discarded {
 /// The batch assigned but not yet handed to the store.
 #[derive(Debug, Default)]
 struct Batch {
-    events: Vec<EventRecord>,
+    events: Vec<Arc<EventRecord>>,
     credits: usize,
     client_msg_ids: Vec<(String, u64)>,
     /// Ids of messages before this seq left the window (0: none did).
@@ -91,7 +91,7 @@ pub(super) struct Log {
     /// (each step a copy). An idle log holds no room at all.
     last_batch_len: usize,
     /// Handed to the store, not yet committed, in seq order.
-    in_flight: VecDeque<EventRecord>,
+    in_flight: VecDeque<Arc<EventRecord>>,
     buffer: ReplayBuffer,
     waiting: VecDeque<DeferredReply>,
     epoch: u64,
@@ -149,18 +149,6 @@ impl Log {
         self.in_flight.is_empty()
     }
 
-    /// Gives back the room the in-flight queue and the replay buffer grew
-    /// into while a turn streamed (records are held by value, so a slot
-    /// is a record's size): for a conversation gone quiet, with nothing in
-    /// flight, so that an idle one holds its events and no spare slots.
-    /// Once per quiet spell in practice: both are exact afterwards.
-    pub(super) fn release_room(&mut self) {
-        if self.in_flight.is_empty() && self.in_flight.capacity() > 0 {
-            self.in_flight = VecDeque::new();
-        }
-        self.buffer.shrink_to_fit();
-    }
-
     /// The next write creates the conversation.
     pub(super) fn create(&mut self, conversation: NewConversation) {
         self.batch.create = Some(Box::new(conversation));
@@ -168,8 +156,8 @@ impl Log {
 
     /// Assigns the next seq to an event (serialized here, once) and adds
     /// it to the batch.
-    pub(super) fn append(&mut self, data: &EventData) -> EventRecord {
-        let record = EventRecord::new(&self.conversation, self.next_seq, data);
+    pub(super) fn append(&mut self, data: &EventData) -> Arc<EventRecord> {
+        let record = Arc::new(EventRecord::new(&self.conversation, self.next_seq, data));
         self.next_seq += 1;
         if self.batch.events.capacity() == 0 {
             self.batch.events.reserve(self.last_batch_len);
@@ -250,7 +238,7 @@ impl Log {
     pub(super) fn releasing(
         &self,
         upto: u64,
-    ) -> std::collections::vec_deque::Iter<'_, EventRecord> {
+    ) -> std::collections::vec_deque::Iter<'_, Arc<EventRecord>> {
         // In flight is in seq order: the released events are a prefix.
         let releasing = self.in_flight.partition_point(|record| record.seq <= upto);
         self.in_flight.range(..releasing)
@@ -260,7 +248,7 @@ impl Log {
         &mut self,
         upto: u64,
         buffer_cap: usize,
-        mut each: impl FnMut(&EventRecord),
+        mut each: impl FnMut(&Arc<EventRecord>),
     ) -> Vec<DeferredReply> {
         let releasing = self.releasing(upto).len();
         for record in self.in_flight.drain(..releasing) {
@@ -307,7 +295,7 @@ impl Log {
     /// last events are `tail` (oldest first). The buffer is refilled from
     /// `tail` when the head moved, since the store may hold events whose
     /// commit was never seen here. Returns the head as it was.
-    pub(super) fn reset_to(&mut self, head_seq: u64, tail: Vec<EventRecord>) -> u64 {
+    pub(super) fn reset_to(&mut self, head_seq: u64, tail: Vec<Arc<EventRecord>>) -> u64 {
         let previous = self.committed;
         if head_seq != previous {
             self.buffer.refill(tail);
@@ -361,7 +349,7 @@ mod tests {
         }
     }
 
-    fn seqs(events: &[EventRecord]) -> Vec<u64> {
+    fn seqs(events: &[Arc<EventRecord>]) -> Vec<u64> {
         events.iter().map(|r| r.seq).collect()
     }
 
@@ -405,27 +393,6 @@ mod tests {
         assert_eq!(seqs(&log.commit(rest.upto, 16).events), [51]);
         append(&mut log, 1);
         assert!(log.batch.events.capacity() < 50, "and shrinks with it");
-    }
-
-    #[test]
-    fn a_quiet_log_gives_back_its_spare_room() {
-        let mut log = log();
-        append(&mut log, 5);
-        let write = log.take_batch().expect("a batch");
-        log.release_room();
-        assert!(
-            log.in_flight.capacity() >= 5,
-            "a write in flight keeps its room"
-        );
-        log.commit(write.upto, 16);
-        assert!(log.in_flight.capacity() >= 5 && log.buffer.capacity() > 5);
-        log.release_room();
-        assert_eq!(log.in_flight.capacity(), 0, "nothing in flight: no room");
-        assert_eq!(log.buffer.capacity(), 5, "the buffer holds its events only");
-        assert_eq!(
-            seqs(&log.buffer.since(1, 5).unwrap_or_default()),
-            [1, 2, 3, 4, 5]
-        );
     }
 
     #[test]

@@ -564,9 +564,6 @@ impl Actor for Conversation {
             state.flush(&myself);
         }
         state.wake_on_commit(&myself);
-        if state.turn.is_none() && state.log.nothing_in_flight() {
-            state.log.release_room();
-        }
         if state.stopping.is_none() {
             state.rearm_timers(&myself);
         }

@@ -12,6 +12,7 @@
 //! from the store.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use crate::event::EventRecord;
 
@@ -22,7 +23,7 @@ pub const REPLAY_BUFFER_MAX_BYTES: usize = 8 * 1024 * 1024;
 /// The last committed events, oldest first, contiguous in seq.
 #[derive(Debug, Default)]
 pub(super) struct ReplayBuffer {
-    events: VecDeque<EventRecord>,
+    events: VecDeque<Arc<EventRecord>>,
     bytes: usize,
 }
 
@@ -39,13 +40,13 @@ impl ReplayBuffer {
     /// What holding `record` here costs: the record (frame included) and
     /// its slot in the queue.
     pub(super) fn cost(record: &EventRecord) -> usize {
-        record.held_bytes() + size_of::<EventRecord>()
+        record.held_bytes() + size_of::<Arc<EventRecord>>()
     }
 
     /// Adds a committed event (the next in seq) and drops the oldest ones
     /// beyond `cap` events or the byte bound. The newest event is kept
     /// even when it alone is over the byte bound.
-    pub(super) fn push(&mut self, record: EventRecord, cap: usize) {
+    pub(super) fn push(&mut self, record: Arc<EventRecord>, cap: usize) {
         self.bytes += Self::cost(&record);
         self.events.push_back(record);
         while self.events.len() > cap
@@ -57,22 +58,9 @@ impl ReplayBuffer {
         }
     }
 
-    /// Gives back the slots beyond the events held (the queue doubles as
-    /// it grows).
-    pub(super) fn shrink_to_fit(&mut self) {
-        if self.events.capacity() > self.events.len() {
-            self.events.shrink_to_fit();
-        }
-    }
-
-    #[cfg(test)]
-    pub(super) fn capacity(&self) -> usize {
-        self.events.capacity()
-    }
-
     /// Replaces the content with the newest part of `tail` (stored events,
     /// oldest first) that fits the byte bound (at least its last event).
-    pub(super) fn refill(&mut self, tail: Vec<EventRecord>) {
+    pub(super) fn refill(&mut self, tail: Vec<Arc<EventRecord>>) {
         self.events.clear();
         self.bytes = 0;
         for record in tail.into_iter().rev() {
@@ -88,7 +76,7 @@ impl ReplayBuffer {
     /// The events from `from` on, if the buffer holds that range (`None`:
     /// it starts later, so the range comes from the store). A `from` past
     /// `head` (the committed head) needs nothing: an empty range.
-    pub(super) fn since(&self, from: u64, head: u64) -> Option<Vec<EventRecord>> {
+    pub(super) fn since(&self, from: u64, head: u64) -> Option<Vec<Arc<EventRecord>>> {
         let start = match self.events.front() {
             Some(first) if first.seq <= from => first.seq,
             _ if from > head => from,
@@ -105,18 +93,18 @@ pub(super) mod tests {
     use crate::event::EventData;
 
     /// An event of about `size` bytes of text at `seq`.
-    pub(in super::super) fn record(seq: u64, size: usize) -> EventRecord {
-        EventRecord::new(
+    pub(in super::super) fn record(seq: u64, size: usize) -> Arc<EventRecord> {
+        Arc::new(EventRecord::new(
             "c_test",
             seq,
             &EventData::TextDelta {
                 turn_id: "t_1".into(),
                 text: "x".repeat(size),
             },
-        )
+        ))
     }
 
-    fn seqs(events: &[EventRecord]) -> Vec<u64> {
+    fn seqs(events: &[Arc<EventRecord>]) -> Vec<u64> {
         events.iter().map(|r| r.seq).collect()
     }
 

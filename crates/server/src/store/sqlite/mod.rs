@@ -294,7 +294,7 @@ impl Store for SqliteStore {
         id: &str,
         after: u64,
         limit: usize,
-    ) -> Result<Vec<EventRecord>, StoreError> {
+    ) -> Result<Vec<Arc<EventRecord>>, StoreError> {
         let id = id.to_owned();
         let members = self.members.clone();
         self.read(move |conn| queries::events(conn, &members, &id, after, limit))

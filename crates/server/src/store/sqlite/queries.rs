@@ -82,7 +82,7 @@ pub(super) fn events(
     id: &str,
     after: u64,
     limit: usize,
-) -> Result<Vec<EventRecord>, StoreError> {
+) -> Result<Vec<Arc<EventRecord>>, StoreError> {
     // One read transaction: the runs and the journal of the same commit.
     let (tx, journal) = journal::begin_read(conn, members, id)?;
     events_after(&tx, id, after, limit, journal, |_| true)

@@ -421,14 +421,14 @@ impl StoredEvent<'_> {
         self.3.get()
     }
 
-    pub(super) fn to_record(&self, conversation_id: &str) -> EventRecord {
-        EventRecord::from_parts(
+    pub(super) fn to_record(&self, conversation_id: &str) -> Arc<EventRecord> {
+        Arc::new(EventRecord::from_parts(
             conversation_id,
             self.0,
             &self.1,
             intern_kind(&self.2),
             self.3.get(),
-        )
+        ))
     }
 }
 
@@ -458,7 +458,7 @@ pub(super) fn events_after(
     limit: usize,
     journal: bool,
     mut keep: impl FnMut(&StoredEvent<'_>) -> bool,
-) -> Result<Vec<EventRecord>, StoreError> {
+) -> Result<Vec<Arc<EventRecord>>, StoreError> {
     let mut out = Vec::new();
     if limit == 0 {
         return Ok(out);
@@ -468,7 +468,7 @@ pub(super) fn events_after(
     } else {
         None
     };
-    let mut take = |json: &str, after: u64, out: &mut Vec<EventRecord>| {
+    let mut take = |json: &str, after: u64, out: &mut Vec<Arc<EventRecord>>| {
         for ev in decode(id, json)? {
             if ev.seq() > after && keep(&ev) {
                 out.push(ev.to_record(id));
@@ -507,11 +507,11 @@ pub(super) fn tail(
     id: &str,
     n: usize,
     journal: bool,
-) -> Result<Vec<EventRecord>, StoreError> {
-    let mut out: Vec<EventRecord> = Vec::new();
+) -> Result<Vec<Arc<EventRecord>>, StoreError> {
+    let mut out: Vec<Arc<EventRecord>> = Vec::new();
     // Takes the run's events above `above`, newest first; whether `out`
     // is full.
-    let take = |json: &str, above: u64, out: &mut Vec<EventRecord>| {
+    let take = |json: &str, above: u64, out: &mut Vec<Arc<EventRecord>>| {
         for ev in decode(id, json)?.iter().rev().filter(|ev| ev.seq() > above) {
             if out.len() >= n {
                 return Ok::<bool, StoreError>(true);

@@ -8,12 +8,18 @@ fn ts(secs: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_secs(secs)).to_string()
 }
 
-fn record(id: &str, seq: u64, ts: String, data: &EventData) -> EventRecord {
+fn record(id: &str, seq: u64, ts: String, data: &EventData) -> Arc<EventRecord> {
     let json = serde_json::to_string(data).unwrap();
-    EventRecord::from_parts(id, seq, &ts, crate::event::intern_kind(data.kind()), &json)
+    Arc::new(EventRecord::from_parts(
+        id,
+        seq,
+        &ts,
+        crate::event::intern_kind(data.kind()),
+        &json,
+    ))
 }
 
-fn delta(id: &str, seq: u64, text: &str) -> EventRecord {
+fn delta(id: &str, seq: u64, text: &str) -> Arc<EventRecord> {
     record(
         id,
         seq,
@@ -61,7 +67,7 @@ fn create_batch(id: &str, user: &str) -> AppendBatch {
     }
 }
 
-fn events_batch(id: &str, events: Vec<EventRecord>, st: ConversationState) -> AppendBatch {
+fn events_batch(id: &str, events: Vec<Arc<EventRecord>>, st: ConversationState) -> AppendBatch {
     AppendBatch {
         conversation_id: Arc::from(id),
         create: None,
@@ -133,10 +139,7 @@ async fn a_commit_callback_gets_its_own_events() {
         events_batch("c_1", evs, state(Status::Running, 4)),
         Box::new(move |r, events| {
             let same = events.len() == sent.len()
-                && events
-                    .iter()
-                    .zip(&sent)
-                    .all(|(a, b)| a.frame.as_str().as_ptr() == b.frame.as_str().as_ptr());
+                && events.iter().zip(&sent).all(|(a, b)| Arc::ptr_eq(a, b));
             let _ = tx.send((r, same));
         }),
     );
@@ -615,13 +618,19 @@ fn put_run(conn: &Connection, table: runs::RunTable, id: &str, first: u64, last:
     let events: Vec<_> = (first..=last)
         .map(|seq| record(id, seq, ts(seq), &delta_data(seq)))
         .collect();
-    runs::insert_run(conn, table, id, events.iter().map(runs::RunEvent::from)).unwrap();
+    runs::insert_run(
+        conn,
+        table,
+        id,
+        events.iter().map(|ev| runs::RunEvent::from(&**ev)),
+    )
+    .unwrap();
 }
 
 /// One commit into the journal: a row holding, for each `(id, seqs)`, the
 /// run of those events of `id`.
 fn put_commit(conn: &Connection, runs: &[(&str, std::ops::RangeInclusive<u64>)]) {
-    let events: Vec<Vec<EventRecord>> = runs
+    let events: Vec<Vec<Arc<EventRecord>>> = runs
         .iter()
         .map(|(id, seqs)| {
             seqs.clone()
@@ -631,7 +640,7 @@ fn put_commit(conn: &Connection, runs: &[(&str, std::ops::RangeInclusive<u64>)])
         .collect();
     let mut row = runs::JournalRow::default();
     for ((id, _), events) in runs.iter().zip(&events) {
-        row.add(id, events.iter().map(runs::RunEvent::from))
+        row.add(id, events.iter().map(|ev| runs::RunEvent::from(&**ev)))
             .unwrap();
     }
     row.insert(conn).unwrap();
@@ -654,7 +663,7 @@ fn delta_data(seq: u64) -> EventData {
     }
 }
 
-fn seqs(events: &[EventRecord]) -> Vec<u64> {
+fn seqs(events: &[Arc<EventRecord>]) -> Vec<u64> {
     events.iter().map(|e| e.seq).collect()
 }
 
@@ -727,7 +736,7 @@ async fn a_store_of_format_3_is_migrated_with_what_its_journal_held() {
         .map(|seq| record("c_1", seq, ts(seq), &delta_data(seq)))
         .collect();
     for part in [&events[..2], &events[2..]] {
-        let run = runs::encode(part.iter().map(runs::RunEvent::from)).unwrap();
+        let run = runs::encode(part.iter().map(|ev| runs::RunEvent::from(&**ev))).unwrap();
         old.execute(
             "INSERT INTO event_journal (conversation_id, first_seq, last_seq, n, min_ts, \
              max_ts, events) VALUES ('c_1', ?1, ?2, ?3, ?4, ?5, ?6)",
@@ -774,7 +783,7 @@ async fn a_store_of_format_4_is_migrated_with_what_its_journal_held() {
         let events: Vec<_> = seqs
             .map(|seq| record(id, seq, ts(seq), &delta_data(seq)))
             .collect();
-        runs::encode(events.iter().map(runs::RunEvent::from)).unwrap()
+        runs::encode(events.iter().map(|ev| runs::RunEvent::from(&**ev))).unwrap()
     };
     let commits = [
         vec![("c_1", run_of("c_1", 4..=5)), ("c_2", run_of("c_2", 1..=2))],
@@ -1340,7 +1349,7 @@ async fn prune_deletes_old_events_only() {
             &conn,
             runs::RunTable::Runs,
             "c_1",
-            evs.iter().map(runs::RunEvent::from),
+            evs.iter().map(|ev| runs::RunEvent::from(&**ev)),
         )
         .unwrap();
     }

@@ -873,7 +873,7 @@ pub(super) fn append<'a>(
         row.pending = Some(batch);
         row.row_needed |= batch.events.is_empty();
     }
-    row.events.extend(batch.events.iter());
+    row.events.extend(batch.events.iter().map(|ev| &**ev));
     Ok(())
 }
 
