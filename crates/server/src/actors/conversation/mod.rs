@@ -219,7 +219,9 @@ pub struct Conversation;
 
 /// Most events one append carries: a burst is cut into appends of this size
 /// so that no single store transaction (and what waits on it) grows large.
-const MAX_BATCH_EVENTS: usize = 128;
+/// 256 rather than 128: at saturation, fewer appends and callbacks per
+/// event (BENCHMARKS.md item 35); paced output never fills one.
+const MAX_BATCH_EVENTS: usize = 256;
 
 /// A message scheduled with `send_after`; aborting it cancels the timer.
 type Timer = tokio::task::JoinHandle<Result<(), ractor::MessagingErr<ConversationMsg>>>;
