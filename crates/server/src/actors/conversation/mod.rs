@@ -220,7 +220,8 @@ pub struct Conversation;
 /// Most events one append carries: a burst is cut into appends of this size
 /// so that no single store transaction (and what waits on it) grows large.
 /// 256 rather than 128: at saturation, fewer appends and callbacks per
-/// event (BENCHMARKS.md item 35); paced output never fills one.
+/// event (BENCHMARKS.md item 35). Paced output gathers only what comes
+/// while one write is in flight, one or two events, far from the cap.
 const MAX_BATCH_EVENTS: usize = 256;
 
 /// A message scheduled with `send_after`; aborting it cancels the timer.
