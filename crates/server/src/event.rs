@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::Utf8Bytes;
 
+use crate::frame_arena::FrameArena;
 use crate::protocol::StopReason;
 
 /// The payload of one event; the variant decides its `kind`
@@ -148,12 +149,36 @@ const RECORD_OVERHEAD: usize = allocated(2 * size_of::<usize>() + size_of::<Even
 impl EventRecord {
     /// Builds the record of a new event, stamping it with the current time.
     pub fn new(conversation_id: &str, seq: u64, data: &EventData) -> EventRecord {
+        EventRecord::stamped(conversation_id, seq, data, |frame| {
+            Utf8Bytes::from(frame.to_owned())
+        })
+    }
+
+    /// [`EventRecord::new`] with the frame placed by `arena` (a block
+    /// shared with the conversation's other frames, unless it is large).
+    pub fn new_in(
+        arena: &mut FrameArena,
+        conversation_id: &str,
+        seq: u64,
+        data: &EventData,
+    ) -> EventRecord {
+        EventRecord::stamped(conversation_id, seq, data, |frame| arena.place(frame))
+    }
+
+    /// A new event's record, its frame kept by `keep`.
+    fn stamped(
+        conversation_id: &str,
+        seq: u64,
+        data: &EventData,
+        keep: impl FnOnce(&str) -> Utf8Bytes,
+    ) -> EventRecord {
         EventRecord::build(
             conversation_id,
             seq,
             |frame| write_ts(frame, SystemTime::now()),
             intern_kind(data.kind()),
             |frame| write_data(frame, data),
+            keep,
         )
     }
 
@@ -171,22 +196,26 @@ impl EventRecord {
             |frame| frame.push_str(ts),
             kind,
             |frame| frame.push_str(data),
+            |frame| Utf8Bytes::from(frame.to_owned()),
         )
     }
 
     /// Writes the frame, its `ts` written by `write_ts` and its `data` by
-    /// `write_data`, and notes where both are in it.
+    /// `write_data`, has `keep` copy it to where the record holds it, and
+    /// notes where both are in it.
     fn build(
         conversation_id: &str,
         seq: u64,
         write_ts: impl FnOnce(&mut String),
         kind: Kind,
         write_data: impl FnOnce(&mut String),
+        keep: impl FnOnce(&str) -> Utf8Bytes,
     ) -> EventRecord {
         // The frame is written into this thread's scratch buffer, then
-        // copied once into a buffer of its exact size: the one every holder
-        // of the frame keeps, with no spare capacity and no reallocation
-        // on the way (growing and shrinking cost more than the copy). The
+        // copied once into a buffer of its exact size (or a frame block's
+        // next bytes): the one every holder of the frame keeps, with no
+        // spare capacity and no reallocation on the way (growing and
+        // shrinking cost more than the copy). The
         // buffer is a String, written from strs and serde_json's output, so
         // the frame is never checked as UTF-8 (about 140 instructions an
         // event).
@@ -209,7 +238,7 @@ impl EventRecord {
             let data_start = scratch.len();
             write_data(scratch);
             scratch.push('}');
-            let frame = scratch.as_str().to_owned();
+            let frame = keep(scratch.as_str());
             // One very large event (a tool's output) does not keep its
             // room in every thread for good.
             if scratch.capacity() > MAX_KEPT_SCRATCH {
@@ -220,7 +249,7 @@ impl EventRecord {
         EventRecord {
             seq,
             kind,
-            frame: Utf8Bytes::from(frame),
+            frame,
             ts: ts_range,
             data_start,
         }
@@ -242,7 +271,10 @@ impl EventRecord {
 
     /// The memory this record holds while something keeps it: its frame,
     /// the record in its `Arc`, and what the allocator adds to each (a
-    /// known kind is static, see [`Kind`]).
+    /// known kind is static, see [`Kind`]). A frame in a block
+    /// ([`FrameArena`]) is counted as if it had its allocation: that is
+    /// more than its share of the block's header and of the room blocks
+    /// are left with.
     pub fn held_bytes(&self) -> usize {
         allocated(self.frame.len()) + RECORD_OVERHEAD
     }

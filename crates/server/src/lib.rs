@@ -28,6 +28,7 @@ pub mod agent;
 pub mod cluster;
 pub mod config;
 pub mod event;
+pub mod frame_arena;
 pub mod gateway;
 pub mod heap;
 pub mod logging;

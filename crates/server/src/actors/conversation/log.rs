@@ -18,8 +18,14 @@ use std::sync::Arc;
 use super::replay_buffer::ReplayBuffer;
 use crate::actors::connection::ConnId;
 use crate::event::{EventData, EventRecord};
+use crate::frame_arena::FrameArena;
 use crate::protocol::{ReqId, ServerFrame};
 use crate::store::NewConversation;
+
+/// A conversation whose last batch held at least this many events streams
+/// in bursts: it writes its frames into blocks ([`FrameArena`]). One with
+/// fewer gives each frame an allocation of its own, and lets its block go.
+const BURST_EVENTS: usize = 16;
 
 /// A reply that must wait until the event it names is committed.
 #[derive(Debug)]
@@ -93,6 +99,8 @@ pub(super) struct Log {
     /// Handed to the store, not yet committed, in seq order.
     in_flight: VecDeque<Arc<EventRecord>>,
     buffer: ReplayBuffer,
+    /// Where a burst's frames are written.
+    frames: FrameArena,
     waiting: VecDeque<DeferredReply>,
     epoch: u64,
 }
@@ -110,6 +118,7 @@ impl Log {
             last_batch_len: 0,
             in_flight: VecDeque::new(),
             buffer: ReplayBuffer::default(),
+            frames: FrameArena::default(),
             waiting: VecDeque::new(),
             epoch: 0,
         }
@@ -157,7 +166,11 @@ impl Log {
     /// Assigns the next seq to an event (serialized here, once) and adds
     /// it to the batch.
     pub(super) fn append(&mut self, data: &EventData) -> Arc<EventRecord> {
-        let record = Arc::new(EventRecord::new(&self.conversation, self.next_seq, data));
+        let record = Arc::new(if self.last_batch_len >= BURST_EVENTS {
+            EventRecord::new_in(&mut self.frames, &self.conversation, self.next_seq, data)
+        } else {
+            EventRecord::new(&self.conversation, self.next_seq, data)
+        });
         self.next_seq += 1;
         if self.batch.events.capacity() == 0 {
             self.batch.events.reserve(self.last_batch_len);
@@ -200,6 +213,9 @@ impl Log {
             create,
         } = std::mem::take(&mut self.batch);
         self.last_batch_len = events.len();
+        if self.last_batch_len < BURST_EVENTS {
+            self.frames = FrameArena::default();
+        }
         self.in_flight.extend(events.iter().cloned());
         Some(Write {
             upto: self.last_assigned(),
@@ -393,6 +409,38 @@ mod tests {
         assert_eq!(seqs(&log.commit(rest.upto, 16).events), [51]);
         append(&mut log, 1);
         assert!(log.batch.events.capacity() < 50, "and shrinks with it");
+    }
+
+    #[test]
+    fn after_a_burst_frames_share_blocks_and_after_a_lull_they_do_not() {
+        /// Whether each record's frame starts where the one before ended.
+        fn adjacent(records: &[Arc<EventRecord>]) -> Vec<bool> {
+            records
+                .windows(2)
+                .map(|w| w[0].frame.as_ptr().wrapping_add(w[0].frame.len()) == w[1].frame.as_ptr())
+                .collect()
+        }
+        let mut log = log();
+        let burst = |log: &mut Log, n: usize| -> Vec<Arc<EventRecord>> {
+            let records = (0..n).map(|_| log.append(&delta("x"))).collect();
+            log.take_batch();
+            records
+        };
+        let first = burst(&mut log, BURST_EVENTS);
+        assert!(
+            !adjacent(&first).contains(&true),
+            "a first batch: one allocation each"
+        );
+        let during = burst(&mut log, 4);
+        assert_eq!(adjacent(&during), [true; 3], "after a burst: one block");
+        let after = burst(&mut log, 4);
+        assert!(
+            !adjacent(&after).contains(&true),
+            "after a lull: one allocation each"
+        );
+        assert!(during
+            .iter()
+            .all(|r| r.data() == r#"{"turn_id":"t_1","text":"x"}"#));
     }
 
     #[test]

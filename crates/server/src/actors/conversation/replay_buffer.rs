@@ -8,7 +8,10 @@
 //! because events can be large and memory must stay bounded per
 //! conversation. The bytes counted are all an event held here costs (its
 //! frame, its record, their allocations and its slot), so that the bound is
-//! the memory's, not only the JSON's. A range it no longer holds is read
+//! the memory's, not only the JSON's; frames written during a burst share
+//! blocks (`frame_arena`), which hold at most two blocks per conversation
+//! beyond that count: the one being filled, and the oldest, part of whose
+//! frames it let go. A range it no longer holds is read
 //! from the store.
 
 use std::collections::VecDeque;

@@ -1,0 +1,152 @@
+//! A conversation's frame blocks: while it streams in bursts, its new
+//! events' frames are written one after another into blocks of a few KiB
+//! rather than each into an allocation of its own.
+//!
+//! Why: at saturation most of an event's cost past its serialization was
+//! its allocations, and above all freeing them when the replay buffer let
+//! the event go (memory last touched thousands of events earlier, often
+//! allocated by another thread: the free took the other heap's lock).
+//! In a block, an event's frame costs no allocation, a copy of it handed
+//! to a connection is a count on its block (no allocation either), and
+//! one free gives back the frames of a whole block. Paced traffic, a few
+//! events per conversation at a time, keeps one allocation per frame:
+//! there, each event written into its conversation's block lands in
+//! memory no other recent event touched, and that cost more than the
+//! allocations it saved (BENCHMARKS.md, item 36).
+//!
+//! Memory: a block lives while any frame in it is held (by the replay
+//! buffer, a connection's queue, a write in flight). Beyond the frames
+//! their holders count, a conversation's blocks keep the unused room of
+//! the block being filled and the frames already let go of the oldest
+//! block still held (at most [`MAX_BLOCK`] each), and the room left at the
+//! end of each full block, less than [`MAX_FRAME`], which what the replay
+//! buffer counts for each frame's allocation covers.
+
+use bytes::BytesMut;
+use tokio_tungstenite::tungstenite::Utf8Bytes;
+
+/// The first block of a burst.
+pub const MIN_BLOCK: usize = 2 * 1024;
+
+/// The largest block: each next block is twice the last, up to this.
+pub const MAX_BLOCK: usize = 16 * 1024;
+
+/// A frame larger than this gets an allocation of its own, so that the
+/// room a block is left with when the next frame does not fit stays
+/// small next to what the block holds.
+pub const MAX_FRAME: usize = 512;
+
+/// One conversation's block being filled.
+#[derive(Debug, Default)]
+pub struct FrameArena {
+    /// The unused room of the block being filled (empty: no block).
+    block: BytesMut,
+    /// The size of the next block.
+    next_block: usize,
+}
+
+impl FrameArena {
+    /// A copy of `frame`: the next bytes of the block being filled (a new
+    /// block when it has no room left), or an allocation of its own when
+    /// it is larger than [`MAX_FRAME`].
+    pub fn place(&mut self, frame: &str) -> Utf8Bytes {
+        if frame.len() > MAX_FRAME {
+            return Utf8Bytes::from(frame.to_owned());
+        }
+        if self.block.capacity() - self.block.len() < frame.len() {
+            let size = self.next_block.max(MIN_BLOCK);
+            self.block = BytesMut::with_capacity(size);
+            self.next_block = (size * 2).min(MAX_BLOCK);
+        }
+        self.block.extend_from_slice(frame.as_bytes());
+        let placed = self.block.split().freeze();
+        // SAFETY: the bytes are a copy of a `str`, whole.
+        unsafe { Utf8Bytes::from_bytes_unchecked(placed) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(size: usize) -> String {
+        "x".repeat(size)
+    }
+
+    /// Where `b` starts relative to the end of `a`.
+    fn gap(a: &Utf8Bytes, b: &Utf8Bytes) -> isize {
+        b.as_ptr() as isize - (a.as_ptr() as isize + a.len() as isize)
+    }
+
+    #[test]
+    fn frames_follow_each_other_in_a_block() {
+        let mut arena = FrameArena::default();
+        let first = arena.place(&frame(200));
+        let second = arena.place("second");
+        assert_eq!(second.as_str(), "second");
+        assert_eq!(first.as_str(), frame(200));
+        assert_eq!(
+            gap(&first, &second),
+            0,
+            "the second frame follows the first"
+        );
+    }
+
+    #[test]
+    fn blocks_double_up_to_the_largest() {
+        let mut arena = FrameArena::default();
+        let size = 256;
+        let mut frames = vec![arena.place(&frame(size))];
+        let mut blocks = vec![1];
+        for _ in 0..(4 * MAX_BLOCK / size) {
+            let next = arena.place(&frame(size));
+            let previous = frames.last().expect("placed");
+            if gap(previous, &next) == 0 {
+                *blocks.last_mut().expect("a block") += 1;
+            } else {
+                blocks.push(1);
+            }
+            frames.push(next);
+        }
+        let per_block = |bytes: usize| bytes / size;
+        assert_eq!(
+            blocks[..4],
+            [
+                per_block(MIN_BLOCK),
+                per_block(2 * MIN_BLOCK),
+                per_block(4 * MIN_BLOCK),
+                per_block(MAX_BLOCK)
+            ]
+        );
+        assert!(blocks[4..blocks.len() - 1]
+            .iter()
+            .all(|&n| n == per_block(MAX_BLOCK)));
+        // Every frame kept its bytes while later ones were written.
+        assert!(frames
+            .iter()
+            .all(|f| f.len() == size && f.bytes().all(|b| b == b'x')));
+    }
+
+    #[test]
+    fn a_large_frame_has_its_own_allocation_and_leaves_the_block() {
+        let mut arena = FrameArena::default();
+        let small = arena.place("small");
+        let large = arena.place(&frame(MAX_FRAME + 1));
+        let next = arena.place("next");
+        assert_eq!(large.len(), MAX_FRAME + 1);
+        assert_eq!(
+            gap(&small, &next),
+            0,
+            "the block goes on after the large frame"
+        );
+    }
+
+    #[test]
+    fn a_frame_outlives_its_arena_and_the_other_frames() {
+        let mut arena = FrameArena::default();
+        let kept = arena.place("kept");
+        let dropped = arena.place("dropped");
+        drop((arena, dropped));
+        assert_eq!(kept.as_str(), "kept");
+    }
+}
