@@ -2,25 +2,28 @@
 //! events' frames are written one after another into blocks of a few KiB
 //! rather than each into an allocation of its own.
 //!
-//! Why: at saturation most of an event's cost past its serialization was
-//! its allocations, and above all freeing them when the replay buffer let
-//! the event go (memory last touched thousands of events earlier, often
-//! allocated by another thread: the free took the other heap's lock).
-//! In a block, an event's frame costs no allocation, a copy of it handed
-//! to a connection is a count on its block (no allocation either), and
-//! one free gives back the frames of a whole block. Paced traffic, a few
-//! events per conversation at a time, keeps one allocation per frame:
-//! there, each event written into its conversation's block lands in
-//! memory no other recent event touched, and that cost more than the
-//! allocations it saved (BENCHMARKS.md, item 36).
+//! Why: at saturation a sixth of the server's CPU went to freeing an
+//! event's allocations (its record, its frame, the header `bytes` gives a
+//! frame at its first clone) when the replay buffer let the event go:
+//! memory last touched thousands of events earlier, often allocated by
+//! another thread, whose heap's lock the free then took. In a block, an
+//! event's frame costs no allocation, a copy of it handed to a connection
+//! is a count on its block (no allocation either), and one free gives
+//! back the frames of a whole block. Paced traffic, a few events per
+//! conversation at a time, keeps one allocation per frame: there, each
+//! frame written into its conversation's block lands in memory no other
+//! recent event touched, and that cost more than the allocations it saved
+//! (BENCHMARKS.md, item 36).
 //!
 //! Memory: a block lives while any frame in it is held (by the replay
 //! buffer, a connection's queue, a write in flight). Beyond the frames
-//! their holders count, a conversation's blocks keep the unused room of
-//! the block being filled and the frames already let go of the oldest
-//! block still held (at most [`MAX_BLOCK`] each), and the room left at the
-//! end of each full block, less than [`MAX_FRAME`], which what the replay
-//! buffer counts for each frame's allocation covers.
+//! their holders count (as if each had its allocation, see
+//! `EventRecord::held_bytes`), a conversation's blocks keep the unused
+//! room of the block being filled and the frames already let go of the
+//! oldest block still held: at most [`MAX_BLOCK`] each. The room left at
+//! the end of a full block (less than [`MAX_FRAME`]) and the block's own
+//! header are less, per frame in it, than what that count adds to each
+//! frame for an allocation it does not have (at least 40 bytes).
 
 use bytes::BytesMut;
 use tokio_tungstenite::tungstenite::Utf8Bytes;
@@ -33,10 +36,13 @@ pub const MAX_BLOCK: usize = 16 * 1024;
 
 /// A frame larger than this gets an allocation of its own, so that the
 /// room a block is left with when the next frame does not fit stays
-/// small next to what the block holds.
-pub const MAX_FRAME: usize = 512;
+/// small next to what the block holds: a block of [`MIN_BLOCK`] holds at
+/// least eight frames, and its end and header are then under 40 bytes a
+/// frame. A demo token's frame is about 195 bytes.
+pub const MAX_FRAME: usize = 256;
 
-/// One conversation's block being filled.
+/// One conversation's block being filled. It is kept between bursts, so
+/// that a conversation has one block with unused room at most.
 #[derive(Debug, Default)]
 pub struct FrameArena {
     /// The unused room of the block being filled (empty: no block).

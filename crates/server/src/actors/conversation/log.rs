@@ -24,7 +24,8 @@ use crate::store::NewConversation;
 
 /// A conversation whose last batch held at least this many events streams
 /// in bursts: it writes its frames into blocks ([`FrameArena`]). One with
-/// fewer gives each frame an allocation of its own, and lets its block go.
+/// fewer gives each frame an allocation of its own (and keeps its block
+/// for its next burst).
 const BURST_EVENTS: usize = 16;
 
 /// A reply that must wait until the event it names is committed.
@@ -213,9 +214,6 @@ impl Log {
             create,
         } = std::mem::take(&mut self.batch);
         self.last_batch_len = events.len();
-        if self.last_batch_len < BURST_EVENTS {
-            self.frames = FrameArena::default();
-        }
         self.in_flight.extend(events.iter().cloned());
         Some(Write {
             upto: self.last_assigned(),
@@ -412,7 +410,7 @@ mod tests {
     }
 
     #[test]
-    fn after_a_burst_frames_share_blocks_and_after_a_lull_they_do_not() {
+    fn frames_share_a_block_only_after_a_burst_and_the_next_burst_goes_on_in_it() {
         /// Whether each record's frame starts where the one before ended.
         fn adjacent(records: &[Arc<EventRecord>]) -> Vec<bool> {
             records
@@ -437,6 +435,17 @@ mod tests {
         assert!(
             !adjacent(&after).contains(&true),
             "after a lull: one allocation each"
+        );
+        let again = burst(&mut log, BURST_EVENTS);
+        let next = burst(&mut log, 1);
+        assert_eq!(
+            next[0].frame.as_ptr(),
+            during[3].frame.as_ptr().wrapping_add(during[3].frame.len()),
+            "the next burst goes on in the same block"
+        );
+        assert!(
+            !adjacent(&again).contains(&true),
+            "a burst's first batch: one allocation each"
         );
         assert!(during
             .iter()
