@@ -71,6 +71,12 @@ impl FrameArena {
     }
 }
 
+/// Whether `next` starts where `frame` ends: the two share a block.
+#[cfg(test)]
+pub(crate) fn follows(frame: &Utf8Bytes, next: &Utf8Bytes) -> bool {
+    frame.as_ptr().wrapping_add(frame.len()) == next.as_ptr()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,23 +85,27 @@ mod tests {
         "x".repeat(size)
     }
 
-    /// Where `b` starts relative to the end of `a`.
-    fn gap(a: &Utf8Bytes, b: &Utf8Bytes) -> isize {
-        b.as_ptr() as isize - (a.as_ptr() as isize + a.len() as isize)
-    }
-
     #[test]
-    fn frames_follow_each_other_in_a_block() {
+    fn small_frames_follow_each_other_in_a_block_and_a_large_one_has_its_own() {
         let mut arena = FrameArena::default();
         let first = arena.place(&frame(200));
         let second = arena.place("second");
-        assert_eq!(second.as_str(), "second");
-        assert_eq!(first.as_str(), frame(200));
+        let large = arena.place(&frame(MAX_FRAME + 1));
+        let third = arena.place("third");
         assert_eq!(
-            gap(&first, &second),
-            0,
+            [first.as_str(), second.as_str(), third.as_str()],
+            [frame(200).as_str(), "second", "third"]
+        );
+        assert_eq!(large.as_str(), frame(MAX_FRAME + 1));
+        assert!(
+            follows(&first, &second),
             "the second frame follows the first"
         );
+        assert!(
+            !follows(&second, &large),
+            "a large frame is not in the block"
+        );
+        assert!(follows(&second, &third), "the block goes on after it");
     }
 
     #[test]
@@ -107,7 +117,7 @@ mod tests {
         for _ in 0..(4 * MAX_BLOCK / size) {
             let next = arena.place(&frame(size));
             let previous = frames.last().expect("placed");
-            if gap(previous, &next) == 0 {
+            if follows(previous, &next) {
                 *blocks.last_mut().expect("a block") += 1;
             } else {
                 blocks.push(1);
@@ -131,20 +141,6 @@ mod tests {
         assert!(frames
             .iter()
             .all(|f| f.len() == size && f.bytes().all(|b| b == b'x')));
-    }
-
-    #[test]
-    fn a_large_frame_has_its_own_allocation_and_leaves_the_block() {
-        let mut arena = FrameArena::default();
-        let small = arena.place("small");
-        let large = arena.place(&frame(MAX_FRAME + 1));
-        let next = arena.place("next");
-        assert_eq!(large.len(), MAX_FRAME + 1);
-        assert_eq!(
-            gap(&small, &next),
-            0,
-            "the block goes on after the large frame"
-        );
     }
 
     #[test]
